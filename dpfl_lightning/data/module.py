@@ -1,0 +1,269 @@
+"""FederatedDataModule: a dataset split over clients, with the batches each client trains on.
+
+Build one from a LightningDataModule (:meth:`from_datamodule`), from tensors or datasets, or use a
+built-in source (:mod:`dpfl_lightning.data.builtin`). Clients are virtual: the same module
+serves every client a rank trains, by index.
+
+Tensor-backed data (a ``TensorDataset``, or any dataset with ``in_memory=True``) stays in memory,
+on the training device once :meth:`to` has run, and a batch is one index-select per tensor: no
+DataLoader per client. Other datasets go through a ``DataLoader`` over the client's ``Subset``.
+
+Shuffling uses the generator the trainer passes in, keyed by (seed, round, client).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data import default_collate
+
+from dpfl_lightning.data.partition import PARTITIONS, partition
+from dpfl_lightning.errors import ConfigError, require
+
+Batch = Any
+
+
+def labels_of(dataset: Dataset) -> np.ndarray:
+    """Integer labels of a classification dataset (needed by the label-aware partitioners)."""
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) >= 2:
+        return np.asarray(dataset.tensors[1].cpu())
+    for attr in ("targets", "labels", "y"):
+        if hasattr(dataset, attr):
+            return np.asarray(getattr(dataset, attr))
+    if isinstance(dataset, Subset):
+        return labels_of(dataset.dataset)[np.asarray(dataset.indices)]
+    return np.asarray([int(dataset[i][1]) for i in range(len(dataset))])
+
+
+def _materialize(dataset: Dataset, chunk: int = 4096) -> tuple[torch.Tensor, ...]:
+    parts = [default_collate([dataset[j] for j in range(i, min(i + chunk, len(dataset)))])
+             for i in range(0, len(dataset), chunk)]
+    if isinstance(parts[0], torch.Tensor):
+        return (torch.cat(parts),)
+    return tuple(torch.cat([p[k] for p in parts]) for k in range(len(parts[0])))
+
+
+class FederatedDataModule:
+    """A training set split over ``num_clients`` clients, plus a global test set.
+
+    Args:
+        datamodule: a ``LightningDataModule``; its train dataset is partitioned and its test (else
+            validation) dataset is the global test set.
+        num_clients: ``M``, the number of (virtual) clients.
+        partition: ``iid``, ``dirichlet`` (``alpha``), ``shards`` (``shards_per_client``: at most that
+            many classes per client) or ``label_sorted`` (``iid_fraction``); see
+            :mod:`dpfl_lightning.data.partition`.
+        min_samples_per_client: ``dirichlet`` redraws until every client has this many samples.
+        client_test_fraction: hold out this fraction of each client's data for per-client
+            evaluation (``FederatedTrainer(eval_per_client=True)``).
+        seed: seed of the partition.
+        in_memory: keep the data as tensors (fast batches). ``None``: yes for ``TensorDataset``.
+        eval_batch_size: batch size for evaluation.
+    """
+
+    def __init__(self, datamodule: Any = None, *, num_clients: int = 100, partition: str = "iid", alpha: float = 0.5,
+                 shards_per_client: int = 2, iid_fraction: float = 0.0, min_samples_per_client: int = 1,
+                 client_test_fraction: float = 0.0, seed: int = 0, in_memory: bool | None = None,
+                 eval_batch_size: int = 1024) -> None:
+        require(partition in PARTITIONS + ("natural",), "data.partition", partition, "unknown partitioner",
+                f"use one of {', '.join(PARTITIONS)}")
+        require(isinstance(num_clients, int) and num_clients >= 1, "data.num_clients", num_clients, "must be >= 1",
+                "set num_clients to a positive integer")
+        require(0.0 <= client_test_fraction < 1.0, "data.client_test_fraction", client_test_fraction,
+                "must be in [0, 1)", "set client_test_fraction, e.g. 0.2")
+        require(eval_batch_size >= 1, "data.eval_batch_size", eval_batch_size, "must be >= 1", "set a positive batch size")
+        self.datamodule = datamodule
+        self._num_clients = num_clients
+        self.partition = partition
+        self.alpha = alpha
+        self.shards_per_client = shards_per_client
+        self.iid_fraction = iid_fraction
+        self.min_samples_per_client = min_samples_per_client
+        self.client_test_fraction = client_test_fraction
+        self.seed = seed
+        self.in_memory = in_memory
+        self.eval_batch_size = eval_batch_size
+        self._given: tuple[Dataset, Dataset | None, list[torch.Tensor] | None] | None = None
+        self._ready = False
+        self.device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_datamodule(cls, datamodule: Any, **kwargs: Any) -> FederatedDataModule:
+        """Partition a LightningDataModule's training set."""
+        return cls(datamodule, **kwargs)
+
+    @classmethod
+    def from_datasets(cls, train: Dataset, test: Dataset | None = None,
+                      client_indices: Sequence[Sequence[int]] | None = None, **kwargs: Any) -> FederatedDataModule:
+        """From datasets; give ``client_indices`` for data that is already split by client."""
+        if client_indices is not None:
+            kwargs.setdefault("num_clients", len(client_indices))
+            kwargs["partition"] = "natural"
+        dm = cls(**kwargs)
+        natural = None if client_indices is None else [torch.as_tensor(list(ix), dtype=torch.int64) for ix in client_indices]
+        dm._given = (train, test, natural)
+        return dm
+
+    @classmethod
+    def from_tensors(cls, x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor | None = None,
+                     y_test: torch.Tensor | None = None, **kwargs: Any) -> FederatedDataModule:
+        test = TensorDataset(x_test, y_test) if x_test is not None else None
+        return cls.from_datasets(TensorDataset(x, y), test, **kwargs)
+
+    # ------------------------------------------------------------------ loading
+    def load(self) -> tuple[Dataset, Dataset | None, list[torch.Tensor] | None]:
+        """Return ``(train, test, client_indices)``; ``client_indices`` is ``None`` unless the data
+        comes split by client. Built-in sources override this."""
+        if self._given is not None:
+            return self._given
+        if self.datamodule is None:
+            raise ConfigError("data", None, "no data given", "pass a LightningDataModule, datasets or tensors, "
+                              "or use a built-in source such as dpfl_lightning.data.Digits")
+        dm = self.datamodule
+        dm.prepare_data()
+        dm.setup("fit")
+        train = dm.train_dataloader().dataset
+        test = None
+        for stage, getter in (("test", "test_dataloader"), ("validate", "val_dataloader")):
+            try:
+                dm.setup(stage)
+                test = getattr(dm, getter)().dataset
+                break
+            except Exception:  # the datamodule does not define this split
+                continue
+        return train, test, None
+
+    def setup(self) -> None:
+        """Load and split the data (idempotent). Every rank computes the same split."""
+        if self._ready:
+            return
+        train, test, natural = self.load()
+        if natural is not None:
+            indices = [torch.as_tensor(ix, dtype=torch.int64) for ix in natural]
+            self._num_clients = len(indices)
+        else:
+            indices = partition(labels_of(train), self._num_clients, self.partition, self.seed, alpha=self.alpha,
+                                shards_per_client=self.shards_per_client, iid_fraction=self.iid_fraction,
+                                min_samples=self.min_samples_per_client)
+        empty = [c for c, ix in enumerate(indices) if len(ix) == 0]
+        require(not empty, "data.num_clients", self._num_clients, f"client(s) {empty[:5]} have no training data",
+                "lower num_clients or change the partition")
+        self._train_idx, self._test_idx = self._hold_out(indices)
+        in_memory = isinstance(train, TensorDataset) if self.in_memory is None else self.in_memory
+        self._train_ds, self._test_ds = train, test
+        self._train_tensors = (tuple(train.tensors) if isinstance(train, TensorDataset) else _materialize(train)) if in_memory else None
+        self._test_tensors = None
+        if in_memory and test is not None:
+            self._test_tensors = tuple(test.tensors) if isinstance(test, TensorDataset) else _materialize(test)
+        self._ready = True
+
+    def _hold_out(self, indices: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.client_test_fraction == 0.0:
+            return indices, [ix[:0] for ix in indices]
+        g = torch.Generator().manual_seed(self.seed + 7919)
+        train, test = [], []
+        for ix in indices:
+            perm = ix[torch.randperm(len(ix), generator=g)]
+            n_test = int(math.floor(self.client_test_fraction * len(ix)))
+            if len(ix) - n_test < 1:
+                n_test = len(ix) - 1
+            test.append(torch.sort(perm[:n_test]).values)
+            train.append(torch.sort(perm[n_test:]).values)
+        return train, test
+
+    def to(self, device: torch.device) -> FederatedDataModule:
+        """Keep in-memory tensors and index lists on ``device`` (once, before training)."""
+        self.setup()
+        self.device = torch.device(device)
+        if self._train_tensors is not None:
+            self._train_tensors = tuple(t.to(device) for t in self._train_tensors)
+            self._train_idx = [ix.to(device) for ix in self._train_idx]
+            self._test_idx = [ix.to(device) for ix in self._test_idx]
+        if self._test_tensors is not None:
+            self._test_tensors = tuple(t.to(device) for t in self._test_tensors)
+        return self
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_clients(self) -> int:
+        return self._num_clients
+
+    def client_num_samples(self, client: int) -> int:
+        self.setup()
+        return int(self._train_idx[client].numel())
+
+    @property
+    def has_test_set(self) -> bool:
+        self.setup()
+        return self._test_ds is not None
+
+    @property
+    def has_client_test_sets(self) -> bool:
+        self.setup()
+        return self.client_test_fraction > 0
+
+    # ------------------------------------------------------------------ batches
+    def client_batches(self, client: int, batch_size: int | None, *, epochs: int | None = None,
+                       steps: int | None = None, generator: torch.Generator | None = None) -> Iterator[tuple[int, int, Batch]]:
+        """Yield ``(epoch, batch_idx, batch)`` for one client's local training.
+
+        ``epochs`` passes over the client's data, reshuffled each pass, or exactly ``steps``
+        batches (passes repeat as needed). ``batch_size=None`` is the full local dataset (full
+        gradients, as in papers 000 and 003)."""
+        self.setup()
+        idx = self._train_idx[client]
+        n = idx.numel()
+        bs = n if not batch_size else min(int(batch_size), n)
+        per_epoch = math.ceil(n / bs)
+        shuffle = bs < n
+        step = epoch = 0
+        while True:
+            if self._train_tensors is not None:
+                order = idx[torch.randperm(n, generator=generator).to(idx.device)] if shuffle else idx
+                for b in range(per_epoch):
+                    sel = order[b * bs : (b + 1) * bs]
+                    yield epoch, b, tuple(t[sel] for t in self._train_tensors)
+                    step += 1
+                    if steps is not None and step >= steps:
+                        return
+            else:
+                loader = DataLoader(Subset(self._train_ds, idx.tolist()), batch_size=bs, shuffle=shuffle, generator=generator)
+                for b, batch in enumerate(loader):
+                    yield epoch, b, batch
+                    step += 1
+                    if steps is not None and step >= steps:
+                        return
+            epoch += 1
+            if steps is None and epoch >= (epochs or 1):
+                return
+
+    def _sequential(self, tensors: tuple[torch.Tensor, ...] | None, dataset: Dataset | None,
+                    idx: torch.Tensor | None, batch_size: int | None) -> Iterator[Batch]:
+        bs = batch_size or self.eval_batch_size
+        if tensors is not None:
+            n = tensors[0].shape[0] if idx is None else idx.numel()
+            for start in range(0, n, bs):
+                if idx is None:
+                    yield tuple(t[start : start + bs] for t in tensors)
+                else:
+                    sel = idx[start : start + bs]
+                    yield tuple(t[sel] for t in tensors)
+        elif dataset is not None:
+            ds = dataset if idx is None else Subset(dataset, idx.tolist())
+            yield from DataLoader(ds, batch_size=bs, shuffle=False)
+
+    def test_batches(self, batch_size: int | None = None) -> Iterator[Batch]:
+        """The global test set, in order."""
+        self.setup()
+        return self._sequential(self._test_tensors, self._test_ds, None, batch_size)
+
+    def client_eval_batches(self, client: int, batch_size: int | None = None) -> Iterator[Batch]:
+        """The client's held-out data (``client_test_fraction``), else its training data."""
+        self.setup()
+        idx = self._test_idx[client] if self.client_test_fraction > 0 else self._train_idx[client]
+        return self._sequential(self._train_tensors, self._train_ds, idx, batch_size)

@@ -1,0 +1,128 @@
+"""Synthetic federated data of the papers, generated from a seed (no download).
+
+- :class:`SyntheticLogistic`: the synthetic(alpha, beta) softmax-regression data of paper 001
+  App. D.2 (after Li et al. 2020, FedProx): per-user ground-truth models and feature means, so
+  ``alpha`` controls model heterogeneity and ``beta`` data heterogeneity.
+- :class:`QuadraticClients` with :func:`quadratic_problem`: the quadratic problem of paper 003
+  App. F, ``f_i(w) = 1/2 (w - w_i*)^T Q_i (w - w_i*)`` with ``Q_i = A_i A_i^T``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+from dpfl_lightning.data.module import FederatedDataModule
+from dpfl_lightning.errors import require
+
+
+def synthetic_logistic(num_clients: int, samples_per_client: int, test_samples_per_client: int, dim: int,
+                       num_classes: int, alpha: float, beta: float, label_noise: float, seed: int):
+    """Generate paper 001 App. D.2 data. Returns train/test ``(x, y)`` arrays and the client of each row.
+
+    For user ``i``: ``u_i ~ N(0, alpha I)`` (``d' x C``), ``W_i ~ N(u_i, I)``; ``u'_i ~ N(0, alpha I)``,
+    ``b_i ~ N(u'_i, I)``; ``B_i ~ N(0, beta I)``, ``v_i ~ N(B_i, I)``; ``x ~ N(v_i, Sigma)`` with
+    ``Sigma_jj = j^-1.2``; ``y = argmax(W_i^T x + b_i)``, replaced by a uniformly drawn other label
+    with probability ``label_noise``.
+    """
+    rng = np.random.default_rng(seed)
+    sd = np.arange(1, dim + 1, dtype=np.float64) ** -0.6  # sqrt(j^-1.2)
+    n = samples_per_client + test_samples_per_client
+    xs, ys = [], []
+    for _ in range(num_clients):
+        u = rng.normal(0.0, np.sqrt(alpha), (dim, num_classes))
+        w = rng.normal(u, 1.0)
+        b = rng.normal(rng.normal(0.0, np.sqrt(alpha), num_classes), 1.0)
+        v = rng.normal(rng.normal(0.0, np.sqrt(beta), dim), 1.0)
+        x = v + rng.normal(size=(n, dim)) * sd
+        y = np.argmax(x @ w + b, axis=1)
+        flip = rng.random(n) < label_noise
+        y[flip] = (y[flip] + rng.integers(1, num_classes, flip.sum())) % num_classes
+        xs.append(x)
+        ys.append(y)
+    x = np.stack(xs).astype(np.float32)
+    y = np.stack(ys).astype(np.int64)
+    s = samples_per_client
+    return (x[:, :s].reshape(-1, dim), y[:, :s].reshape(-1), x[:, s:].reshape(-1, dim), y[:, s:].reshape(-1))
+
+
+class SyntheticLogistic(FederatedDataModule):
+    """Paper 001's synthetic(alpha, beta) classification data, split by user (natural partition).
+
+    Args:
+        num_clients: users ``M``.
+        samples_per_client: training records per user ``R`` (paper 001: 4000, the 80% train split of 5000).
+        test_samples_per_client: held-out records per user; their union is the global test set.
+        dim: input dimension ``d'`` (paper 001: 40; FedProx: 60).
+        num_classes: 10 in both papers.
+        alpha, beta: model and data heterogeneity.
+        label_noise: probability of replacing a label (paper 001: 0.05).
+    """
+
+    def __init__(self, num_clients: int = 100, samples_per_client: int = 100, test_samples_per_client: int = 25,
+                 dim: int = 40, num_classes: int = 10, alpha: float = 0.0, beta: float = 0.0, label_noise: float = 0.05,
+                 seed: int = 0, client_test_fraction: float = 0.0, eval_batch_size: int = 4096) -> None:
+        require(samples_per_client >= 1, "data.samples_per_client", samples_per_client, "must be >= 1", "set it >= 1")
+        require(alpha >= 0 and beta >= 0, "data.alpha/beta", (alpha, beta), "must be >= 0", "use alpha, beta >= 0")
+        super().__init__(num_clients=num_clients, partition="natural", seed=seed, client_test_fraction=client_test_fraction,
+                         eval_batch_size=eval_batch_size)
+        self.samples_per_client = samples_per_client
+        self.test_samples_per_client = test_samples_per_client
+        self.dim, self.num_classes = dim, num_classes
+        self.alpha_model, self.beta_data, self.label_noise = alpha, beta, label_noise
+
+    def load(self):
+        x, y, xt, yt = synthetic_logistic(self.num_clients, self.samples_per_client, self.test_samples_per_client,
+                                          self.dim, self.num_classes, self.alpha_model, self.beta_data,
+                                          self.label_noise, self.seed)
+        r = self.samples_per_client
+        clients = [torch.arange(c * r, (c + 1) * r) for c in range(self.num_clients)]
+        test = TensorDataset(torch.from_numpy(xt), torch.from_numpy(yt)) if len(yt) else None
+        return TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), test, clients
+
+
+@dataclass(frozen=True)
+class QuadraticProblem:
+    """``f(w) = 1/n sum_i 1/2 (w - w_i*)^T A_i A_i^T (w - w_i*)`` and its minimiser."""
+
+    A: torch.Tensor  # [n, d, k]
+    w_star_i: torch.Tensor  # [n, d]
+    w_star: torch.Tensor  # [d], the global minimiser
+    f_star: float  # f(w_star)
+
+
+@lru_cache(maxsize=8)
+def quadratic_problem(num_clients: int = 100, dim: int = 200, rank: int = 20, seed: int = 0) -> QuadraticProblem:
+    """Paper 003 App. F: ``w_i* ~ N(0, I_d)``, ``A_i`` is ``d x k`` with entries ``N(0, 1/k^2)``
+    (``k = 20``: variance ``1/20^2``). Computed in float64; the minimiser solves
+    ``(sum Q_i) w = sum Q_i w_i*``."""
+    g = torch.Generator().manual_seed(seed)
+    w_i = torch.randn(num_clients, dim, generator=g, dtype=torch.float64)
+    A = torch.randn(num_clients, dim, rank, generator=g, dtype=torch.float64) / rank
+    Q = A @ A.transpose(1, 2)
+    w_star = torch.linalg.solve(Q.sum(0), (Q @ w_i.unsqueeze(-1)).sum(0)).squeeze(-1)
+    r = torch.einsum("ndk,nd->nk", A, w_star.unsqueeze(0) - w_i)
+    f_star = float(0.5 * (r**2).sum(-1).mean())
+    return QuadraticProblem(A.float(), w_i.float(), w_star.float(), f_star)
+
+
+class QuadraticClients(FederatedDataModule):
+    """Paper 003 App. F's clients: client ``i`` holds one record ``(A_i, w_i*)``.
+
+    Train with ``batch_size=None`` (full local gradient) and a
+    :class:`~dpfl_lightning.models.QuadraticModel` of the same ``(num_clients, dim, rank, seed)``.
+    The global test set is every client's record, so the mean loss over it is ``f(w)``.
+    """
+
+    def __init__(self, num_clients: int = 100, dim: int = 200, rank: int = 20, seed: int = 0) -> None:
+        super().__init__(num_clients=num_clients, partition="natural", seed=seed, eval_batch_size=num_clients)
+        self.dim, self.rank = dim, rank
+
+    def load(self):
+        p = quadratic_problem(self.num_clients, self.dim, self.rank, self.seed)
+        ds = TensorDataset(p.A, p.w_star_i)
+        return ds, ds, [torch.tensor([i]) for i in range(self.num_clients)]

@@ -1,0 +1,19 @@
+"""Plugins: one per file, each a :class:`FederatedCallback`."""
+
+from dpfl_lightning.plugins.base import Aggregate, ClientUpdate, FederatedCallback
+from dpfl_lightning.plugins.clipping import UpdateClipping
+from dpfl_lightning.plugins.gaussian_noise import GaussianNoise
+from dpfl_lightning.plugins.normalization import UpdateNormalization
+from dpfl_lightning.plugins.sensitivity import SensitivityBound
+from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
+
+__all__ = [
+    "Aggregate",
+    "ClientUpdate",
+    "FederatedCallback",
+    "GaussianNoise",
+    "SensitivityBound",
+    "ServerOptimizer",
+    "UpdateClipping",
+    "UpdateNormalization",
+]

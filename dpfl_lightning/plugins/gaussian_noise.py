@@ -1,0 +1,108 @@
+"""GaussianNoise: the Gaussian mechanism on client updates, in one of three placements.
+
+Sensitivity comes from the bounding plugin before it (:class:`UpdateClipping` or
+:class:`UpdateNormalization`, norm bound ``C``): the cohort's sum changes by at most ``C`` when one
+client is added or removed. With ``noise_multiplier=z`` the standard deviation is ``sigma = z * C``.
+
+Threat models (who must be trusted for the guarantee to hold):
+
+``local``
+    Each client adds ``N(0, sigma^2 I)`` to its own bounded update before it leaves the client
+    (paper 000 Alg. 1 line 9). Guarantee towards the server and everyone else; nothing raw crosses
+    the communicator. Each client's release is a Gaussian mechanism with multiplier ``z``.
+``central``
+    A trusted aggregator adds one draw ``N(0, sigma^2 I)`` to the sum of the bounded updates
+    (McMahan et al. 2018). Guarantee towards anyone who sees the models; the server sees raw
+    updates. Amplified by client sampling.
+``distributed``
+    Each of the ``n`` clients of the round adds ``N(0, sigma^2 / n I)``, so the sum carries exactly
+    ``N(0, sigma^2 I)``: the central guarantee without a trusted server, assuming secure
+    aggregation hides individual (under-noised) contributions (paper 003 Alg. 1 line 12 adds
+    ``zeta ~ N(0, r sigma_003^2 I)`` per client, i.e. this placement).
+
+Draws are keyed by (seed, round, client) -- (seed, round) for the central draw, taken identically
+on every rank -- so they do not depend on the number of ranks, and two runs with the same seed (say
+clipping vs normalization) see the same noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dpfl_lightning import rng
+from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, Aggregate, ClientUpdate, FederatedCallback
+from dpfl_lightning.plugins.sensitivity import SensitivityBound
+
+PLACEMENTS = ("local", "central", "distributed")
+
+
+class GaussianNoise(FederatedCallback):
+    """Add Gaussian noise to client updates (``local`` / ``distributed``) or to their sum (``central``).
+
+    Args:
+        std: the standard deviation ``sigma``: per client update for ``local``, of the total noise
+            on the sum for ``central`` and ``distributed``. Give either this or ``noise_multiplier``.
+        noise_multiplier: ``z``; ``sigma = z * C`` with ``C`` the norm bound of the bounding plugin.
+        placement: ``"local"``, ``"central"`` or ``"distributed"`` (see the module docstring).
+    """
+
+    order = ORDER_ADD_NOISE
+
+    def __init__(self, std: float | None = None, noise_multiplier: float | None = None,
+                 placement: str = "central") -> None:
+        require((std is None) != (noise_multiplier is None), "GaussianNoise", {"std": std, "noise_multiplier": noise_multiplier},
+                "exactly one of std and noise_multiplier must be set", "pass std=... or noise_multiplier=...")
+        for name, value in (("std", std), ("noise_multiplier", noise_multiplier)):
+            if value is not None:
+                require(math.isfinite(value) and value >= 0, f"GaussianNoise.{name}", value,
+                        "must be a finite number >= 0", f"set {name} to a non-negative value")
+        require(placement in PLACEMENTS, "GaussianNoise.placement", placement, "unknown placement",
+                f"use one of {', '.join(PLACEMENTS)}")
+        self.std = std
+        self.noise_multiplier = noise_multiplier
+        self.placement = placement
+        self.sensitivity: float | None = None
+        self._cohort_size = 1
+
+    @property
+    def sigma(self) -> float:
+        """The standard deviation in force (see ``std``)."""
+        if self.std is not None:
+            return float(self.std)
+        assert self.sensitivity is not None, "setup() has not run"
+        return float(self.noise_multiplier) * self.sensitivity
+
+    def setup(self, *, trainer, module) -> None:
+        bounds = [p for p in trainer.plugins[: trainer.plugins.index(self)] if isinstance(p, SensitivityBound)]
+        if bounds:
+            self.sensitivity = bounds[-1].max_norm
+        elif self.noise_multiplier is not None:
+            raise ConfigError("GaussianNoise.noise_multiplier", self.noise_multiplier,
+                              "a noise multiplier needs a norm bound to scale, and no UpdateClipping or "
+                              "UpdateNormalization runs before the noise",
+                              "add UpdateClipping(C) or UpdateNormalization(C) to the plugins, or give std=")
+        if trainer.weighting != "uniform":
+            raise ConfigError("trainer.weighting", trainer.weighting,
+                              "weighting clients by sample count makes the sensitivity data-dependent",
+                              "use weighting='uniform' with GaussianNoise")
+
+    def on_round_start(self, *, trainer, round_idx: int, cohort: list[int]) -> None:
+        self._cohort_size = max(len(cohort), 1)
+
+    def on_client_end(self, *, trainer, result: ClientUpdate) -> None:
+        if self.placement == "central":
+            return
+        std = self.sigma if self.placement == "local" else self.sigma / math.sqrt(self._cohort_size)
+        u = result.update
+        g = rng.generator(trainer.seed, result.round_idx, result.client, rng.CLIENT_NOISE, u.device)
+        u.add_(torch.randn(u.shape, generator=g, device=u.device, dtype=u.dtype), alpha=std)
+
+    def on_aggregate(self, *, trainer, aggregate: Aggregate) -> None:
+        if self.placement != "central":
+            return
+        s = aggregate.update_sum
+        g = rng.generator(trainer.seed, aggregate.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, s.device)
+        s.add_(torch.randn(s.shape, generator=g, device=s.device, dtype=s.dtype), alpha=self.sigma)

@@ -20,6 +20,10 @@ except ImportError:  # pragma: no cover
 _REDUCERS = ("mean", "sum", "max", "min")
 
 
+def _no_distributed() -> bool:
+    return False
+
+
 def _reducer_name(reduce_fx: Any) -> str:
     if isinstance(reduce_fx, str):
         name = reduce_fx
@@ -71,6 +75,9 @@ class LoggedMetrics:
         if prog_bar:
             self.prog_bar.add(name)
         if isinstance(value, Metric):
+            # The trainer merges ranks itself; a torch.distributed sync inside compute() would wait
+            # for ranks that are not evaluating.
+            value.distributed_available_fn = _no_distributed
             self._metrics[name] = value
             return
         if isinstance(value, Mapping):

@@ -346,9 +346,9 @@ class FederatedTrainer:
                 lg.finalize("success")
         self.final_metrics = {**(self.history[-1] if self.history else {}), **final}
         if self.enable_summary and self.is_global_zero:
-            done = len(self.history)
-            rows = {"rounds": self.current_round + 1, "clients": self.data.num_clients, "ranks": self.world_size,
-                    "seconds/round": (time.perf_counter() - t_fit) / max(done, 1), **self.final_metrics}
+            rows = {"rounds": len(self.history), "num_clients": self.data.num_clients, "ranks": self.world_size,
+                    "seconds/round": (time.perf_counter() - t_fit) / max(len(self.history) - start, 1)}
+            rows.update({k: v for k, v in self.final_metrics.items() if k not in ("round", "round_time_s")})
             if self.stop_reason:
                 rows["stopped"] = self.stop_reason
             print_summary(f"{self.run_name}: done", rows)

@@ -6,9 +6,10 @@ split without communicating.
 - ``iid``: a random permutation cut into near-equal parts.
 - ``dirichlet``: for each class, its samples are divided among clients in proportions drawn from
   ``Dirichlet(alpha * 1)`` (Hsu et al. 2019); smaller ``alpha`` is more heterogeneous.
-- ``shards``: sort by label, cut into ``shards_per_client * num_clients`` equal shards, give each
-  client ``shards_per_client`` shards at random, so a client holds at most that many classes
-  (McMahan et al. 2017; paper 003 App. H with 5 shards).
+- ``shards``: sort by label, cut into ``shards_per_client * num_clients`` shards, give each
+  client ``shards_per_client`` shards at random (McMahan et al. 2017; paper 003 App. H with 5
+  shards). Shards are cut within classes (a class gets shards in proportion to its size), so a
+  client holds at most ``shards_per_client`` classes even when class sizes are uneven.
 - ``label_sorted``: each client gets ``iid_fraction`` of its data i.i.d. and the rest from the
   label-sorted remainder (paper 001 Sec. 5, "gamma% similar data"; Hsu et al. 2019).
 """
@@ -57,8 +58,18 @@ def shards(labels: np.ndarray, num_clients: int, rng: np.random.Generator, shard
     require(n_shards <= len(labels), "data.shards_per_client", shards_per_client,
             f"{n_shards} shards need at least that many samples, the dataset has {len(labels)}",
             "lower shards_per_client or num_clients")
-    order = np.argsort(labels, kind="stable")
-    pieces = _equal_split(order, n_shards)
+    # Shards never straddle two classes (so a client really holds at most k classes): each class
+    # gets a number of shards proportional to its size (largest remainder, at least one).
+    classes, counts = np.unique(labels, return_counts=True)
+    require(n_shards >= len(classes), "data.shards_per_client", shards_per_client,
+            f"{n_shards} shards cannot cover {len(classes)} classes", "raise shards_per_client or num_clients")
+    quota = counts / counts.sum() * (n_shards - len(classes))
+    per_class = 1 + np.floor(quota).astype(np.int64)
+    short = n_shards - per_class.sum()
+    per_class[np.argsort(-(quota - np.floor(quota)), kind="stable")[:short]] += 1
+    pieces = []
+    for c, n_c in zip(classes, per_class):
+        pieces += _equal_split(np.flatnonzero(labels == c), int(n_c))
     assignment = rng.permutation(n_shards).reshape(num_clients, shards_per_client)
     return [np.sort(np.concatenate([pieces[s] for s in row])) for row in assignment]
 

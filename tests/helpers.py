@@ -1,0 +1,70 @@
+"""Small models, data and trainers shared by the tests."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpfl_lightning import FederatedTrainer
+from dpfl_lightning.data import SyntheticLogistic
+from dpfl_lightning.plugins.base import FederatedCallback
+
+
+class TinyClassifier(L.LightningModule):
+    """An ordinary LightningModule, written as a user would."""
+
+    def __init__(self, in_features: int = 10, num_classes: int = 10, lr: float = 0.1, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, num_classes))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("my_train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("my_val_loss", F.cross_entropy(logits, y))
+        self.log("my_val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def tiny_data(num_clients: int = 20, samples: int = 12, dim: int = 10, seed: int = 0, **kw) -> SyntheticLogistic:
+    return SyntheticLogistic(num_clients=num_clients, samples_per_client=samples, test_samples_per_client=4,
+                             dim=dim, seed=seed, **kw)
+
+
+def quiet_trainer(log_dir: str, **kw) -> FederatedTrainer:
+    kw.setdefault("num_threads", 1)
+    kw.setdefault("enable_progress_bar", False)
+    kw.setdefault("enable_summary", False)
+    kw.setdefault("batch_size", 4)
+    return FederatedTrainer(log_dir=log_dir, **kw)
+
+
+class Recorder(FederatedCallback):
+    """Records every client's update as the plugins before it left it (place it with ``order``)."""
+
+    def __init__(self, order: int) -> None:
+        self.order = order
+        self.updates: list[torch.Tensor] = []
+        self.clients: list[int] = []
+        self.aggregates: list[torch.Tensor] = []
+
+    def on_client_end(self, *, trainer, result) -> None:
+        self.updates.append(result.update.detach().clone())
+        self.clients.append(result.client)
+
+    def on_aggregate(self, *, trainer, aggregate) -> None:
+        self.aggregates.append(aggregate.update_sum.detach().clone())

@@ -1,0 +1,89 @@
+"""Checkpoints: written atomically, and a resumed run ends exactly where an uninterrupted one does."""
+
+import glob
+import os
+
+import pytest
+import torch
+
+from dpfl_lightning import ConfigError
+from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping
+from dpfl_lightning.plugins.base import FederatedCallback
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+
+class Participation(FederatedCallback):
+    """Per-client state: how often each client trained (lives with the client, not the rank)."""
+
+    def on_client_end(self, *, trainer, result):
+        state = trainer.client_state(result.client)
+        state["n"] = state.get("n", 0) + 1
+
+
+def _plugins():
+    return [UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.3), Participation(),
+            ServerOptimizer("sgd", lr=0.8, momentum=0.9)]
+
+
+def _trainer(log_dir, **kw):
+    return quiet_trainer(log_dir, rounds=6, clients_per_round=5, plugins=_plugins(), seed=11, **kw)
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    full = _trainer(str(tmp_path / "a"), checkpoint_every=3)
+    ref = full.fit(TinyClassifier(), tiny_data())
+    first = os.path.join(full.checkpoint_dir, "round-000003.ckpt")
+    state = ckpt.load(first)
+    assert state["round"] == 3
+    momentum = state["plugins"][-1]["state"]["optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.count_nonzero(momentum) > 0  # the server optimizer's state is saved
+    assert state["client_states"] and all(isinstance(c, int) for c in state["client_states"])
+
+    resumed = _trainer(str(tmp_path / "b"))
+    out = resumed.fit(TinyClassifier(seed=123), tiny_data(), ckpt_path=first)  # different init: overwritten
+    assert torch.equal(out.global_params, ref.global_params)
+    assert resumed.client_states == full.client_states
+    assert [h["my_train_loss"] for h in resumed.history] == [h["my_train_loss"] for h in full.history]
+    last = ckpt.load(os.path.join(full.checkpoint_dir, "last.ckpt"))
+    assert last["round"] == 6 and torch.equal(last["global_params"], ref.global_params)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = str(tmp_path / "c.ckpt")
+    ckpt.save_atomic({"format": ckpt.FORMAT, "v": 1}, path)
+
+    def broken_save(obj, f, *a, **k):
+        f.write(b"partial bytes")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        ckpt.save_atomic({"format": ckpt.FORMAT, "v": 2}, path)
+    monkeypatch.undo()
+    assert ckpt.load(path)["v"] == 1  # the old checkpoint is intact
+    assert os.listdir(tmp_path) == ["c.ckpt"]  # no temporary left behind
+
+
+def test_resume_refuses_a_different_model(tmp_path):
+    t = _trainer(str(tmp_path / "a"), checkpoint_every=6)
+    t.fit(TinyClassifier(), tiny_data())
+    other = _trainer(str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match="num_parameters"):
+        other.fit(TinyClassifier(in_features=12), tiny_data(dim=12), ckpt_path=os.path.join(t.checkpoint_dir, "last.ckpt"))
+
+
+def test_resume_from_missing_or_foreign_file(tmp_path):
+    t = _trainer(str(tmp_path / "a"))
+    with pytest.raises(ConfigError, match="resume"):
+        t.fit(TinyClassifier(), tiny_data(), ckpt_path=str(tmp_path / "nope.ckpt"))
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="resume"):
+        t.fit(TinyClassifier(), tiny_data(), ckpt_path=str(junk))
+
+
+def test_no_checkpoint_files_unless_asked(tmp_path):
+    t = _trainer(str(tmp_path / "a"))
+    t.fit(TinyClassifier(), tiny_data())
+    assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)

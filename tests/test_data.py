@@ -1,0 +1,136 @@
+"""Partitioners and the built-in data sources."""
+
+import numpy as np
+import pytest
+import torch
+
+from dpfl_lightning import ConfigError, FederatedDataModule
+from dpfl_lightning.data import Digits, NpzFile, QuadraticClients, SyntheticLogistic, partition, quadratic_problem
+
+LABELS = np.repeat(np.arange(10), 100)  # 1000 samples, 100 per class
+
+
+def _classes(parts):
+    return [len(np.unique(LABELS[p.numpy()])) for p in parts]
+
+
+def test_every_partition_covers_the_data_once():
+    for scheme, kw in [("iid", {}), ("dirichlet", {"alpha": 0.3}), ("shards", {"shards_per_client": 2}),
+                       ("label_sorted", {"iid_fraction": 0.1})]:
+        parts = partition(LABELS, 20, scheme, seed=0, **kw)
+        allidx = torch.cat(parts).sort().values
+        assert torch.equal(allidx, torch.arange(1000)), scheme
+        assert torch.equal(torch.cat(partition(LABELS, 20, scheme, seed=0, **kw)), torch.cat(parts))  # deterministic
+
+
+def test_iid_sizes_and_mixture():
+    parts = partition(LABELS, 20, "iid", seed=1)
+    assert {len(p) for p in parts} == {50}
+    assert min(_classes(parts)) >= 8
+
+
+def test_shards_give_at_most_k_classes():
+    for k in (1, 2, 5):
+        parts = partition(LABELS, 20, "shards", seed=3, shards_per_client=k)
+        assert max(_classes(parts)) <= k
+        assert {len(p) for p in parts} == {1000 // 20}
+
+
+def test_dirichlet_heterogeneity_grows_as_alpha_shrinks():
+    def spread(alpha):
+        parts = partition(LABELS, 10, "dirichlet", seed=0, alpha=alpha)
+        hist = np.stack([np.bincount(LABELS[p.numpy()], minlength=10) / max(len(p), 1) for p in parts])
+        return np.abs(hist - 0.1).sum(1).mean()  # mean total-variation distance from uniform (x2)
+
+    assert spread(0.1) > spread(1.0) > spread(100.0)
+    assert spread(100.0) < 0.15
+
+
+def test_dirichlet_respects_min_samples():
+    parts = partition(LABELS, 50, "dirichlet", seed=0, alpha=0.5, min_samples=5)
+    assert min(len(p) for p in parts) >= 5
+
+
+def test_label_sorted_gamma():
+    parts = partition(LABELS, 10, "label_sorted", seed=0, iid_fraction=0.0)
+    assert max(_classes(parts)) == 1  # 0% similar: each client one class here
+    parts = partition(LABELS, 10, "label_sorted", seed=0, iid_fraction=1.0)
+    assert min(_classes(parts)) >= 8
+
+
+@pytest.mark.parametrize("scheme,kw,setting", [("nope", {}, "data.partition"), ("dirichlet", {"alpha": 0.0}, "data.alpha"),
+                                               ("shards", {"shards_per_client": 0}, "data.shards_per_client"),
+                                               ("label_sorted", {"iid_fraction": 1.5}, "data.iid_fraction")])
+def test_bad_partition_settings(scheme, kw, setting):
+    with pytest.raises(ConfigError, match=setting):
+        partition(LABELS, 10, scheme, seed=0, **kw)
+
+
+def test_more_clients_than_samples():
+    with pytest.raises(ConfigError, match="data.num_clients"):
+        partition(LABELS[:5], 10, "iid", seed=0)
+
+
+def test_synthetic_logistic_shapes_and_heterogeneity():
+    d = SyntheticLogistic(num_clients=8, samples_per_client=30, test_samples_per_client=10, dim=12, alpha=1, beta=1)
+    d.setup()
+    assert d.num_clients == 8 and d.client_num_samples(3) == 30
+    x, y = d._train_tensors
+    assert x.shape == (240, 12) and y.min() >= 0 and y.max() <= 9
+    means = torch.stack([x[i * 30 : (i + 1) * 30].mean(0) for i in range(8)])
+    d0 = SyntheticLogistic(num_clients=8, samples_per_client=30, dim=12, alpha=0, beta=0)
+    d0.setup()
+    x0 = d0._train_tensors[0]
+    means0 = torch.stack([x0[i * 30 : (i + 1) * 30].mean(0) for i in range(8)])
+    assert means.std(0).mean() > means0.std(0).mean()  # beta spreads the users' feature means
+
+
+def test_quadratic_minimiser_has_zero_gradient():
+    p = quadratic_problem(num_clients=10, dim=30, rank=5, seed=1)
+    A, wi = p.A.double(), p.w_star_i.double()
+    grad = torch.einsum("ndk,nek,ne->d", A, A, p.w_star.double().unsqueeze(0) - wi) / 10
+    assert grad.abs().max() < 1e-4
+    data = QuadraticClients(num_clients=10, dim=30, rank=5, seed=1)
+    data.setup()
+    assert data.num_clients == 10 and data.client_num_samples(0) == 1
+
+
+def test_digits_bundled_and_partitioned():
+    d = Digits(num_clients=30, partition="shards", shards_per_client=2)
+    d.setup()
+    x, y = d._train_tensors
+    assert x.shape[1] == 64 and float(x.max()) <= 1.0
+    assert d.has_test_set
+    labels = y.numpy()
+    assert max(len(np.unique(labels[d._train_idx[c].numpy()])) for c in range(30)) <= 2
+
+
+def test_client_batches_epochs_steps_and_full_batch():
+    d = FederatedDataModule.from_tensors(torch.arange(40.0).reshape(20, 2), torch.arange(20) % 2, num_clients=2)
+    g = torch.Generator().manual_seed(0)
+    batches = list(d.client_batches(0, 3, epochs=2, generator=g))
+    assert [b[0] for b in batches] == [0] * 4 + [1] * 4
+    seen = torch.cat([b[2][1] for b in batches[:4]])
+    assert len(seen) == 10
+    assert len(list(d.client_batches(0, 3, steps=7, generator=g))) == 7
+    full = list(d.client_batches(0, None, epochs=1, generator=g))
+    assert len(full) == 1 and full[0][2][0].shape[0] == 10
+
+
+def test_client_test_split():
+    d = Digits(num_clients=10, client_test_fraction=0.25)
+    d.setup()
+    for c in range(10):
+        tr, te = set(d._train_idx[c].tolist()), set(d._test_idx[c].tolist())
+        assert tr and te and not tr & te
+
+
+def test_npz_file(tmp_path):
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=np.random.rand(30, 4), y_train=np.arange(30) % 3, x_test=np.random.rand(6, 4),
+             y_test=np.arange(6) % 3, client_train=np.arange(30) % 5)
+    d = NpzFile(str(path))
+    d.setup()
+    assert d.num_clients == 5 and d.has_test_set
+    with pytest.raises(ConfigError, match="data.path"):
+        NpzFile(str(tmp_path / "missing.npz"))

@@ -327,6 +327,8 @@ class FederatedTrainer:
                 self.current_round = r
                 metrics = self._round(r)
                 self.call_hook("on_round_end", round_idx=r, metrics=metrics)
+                if r + 1 == self.rounds or self.should_stop:
+                    metrics.update(self._final_test())
                 self.history.append(metrics)
                 if self.is_global_zero:
                     for lg in loggers:
@@ -337,14 +339,12 @@ class FederatedTrainer:
                     self.save_checkpoint(os.path.join(self.checkpoint_dir, f"round-{r + 1:06d}.ckpt"), r + 1)
         finally:
             progress.close()
-        final = self._final_test()
+            module.load_global()  # on failure too: the module shows the global model, not a client's
         self.call_hook("on_fit_end")
         if self.is_global_zero:
             for lg in loggers:
-                if final:
-                    lg.log_metrics(final, step=self.current_round + 1)
                 lg.finalize("success")
-        self.final_metrics = {**(self.history[-1] if self.history else {}), **final}
+        self.final_metrics = dict(self.history[-1]) if self.history else {}
         if self.enable_summary and self.is_global_zero:
             rows = {"rounds": len(self.history), "num_clients": self.data.num_clients, "ranks": self.world_size,
                     "seconds/round": (time.perf_counter() - t_fit) / max(len(self.history) - start, 1)}
@@ -359,11 +359,24 @@ class FederatedTrainer:
         if not self.is_global_zero:
             return []
         loggers = [make_csv_logger(self.log_dir, self.run_name), *self.extra_loggers]
-        config = self.config if self.config is not None else self.hparams
+        config = self.config if self.config is not None else self._python_config()
         for lg in loggers:
             lg.log_hyperparams(config)
         self.csv_log_dir = loggers[0].log_dir
         return loggers
+
+    def _python_config(self) -> dict[str, Any]:
+        """The run's configuration when it was built in Python (the CLI passes its resolved YAML)."""
+        def simple(obj: Any) -> dict[str, Any]:
+            return {k: v for k, v in vars(obj).items()
+                    if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None), list, tuple))}
+
+        inner = self.module.inner
+        hp = dict(getattr(inner, "hparams", {}) or {})
+        return {"trainer": self.hparams,
+                "model": {"class_path": f"{type(inner).__module__}.{type(inner).__qualname__}", "init_args": hp},
+                "data": {"class_path": f"{type(self.data).__module__}.{type(self.data).__qualname__}",
+                         "init_args": simple(self.data)}}
 
     # ------------------------------------------------------------------ one round
     def _round(self, r: int) -> dict[str, float]:
@@ -482,7 +495,7 @@ class FederatedTrainer:
             "rng": {"scheme": "keyed by (seed, round, client)", "seed": self.seed},
             "plugins": [{"class": type(p).__name__, "state": p.state_dict()} for p in self.plugins],
             "client_states": client_states,
-            "config": self.config if self.config is not None else self.hparams,
+            "config": self.config if self.config is not None else self._python_config(),
             "history": list(self.history),
             "world_size": self.world_size,
         }

@@ -1,0 +1,46 @@
+"""Tests in this folder run on every rank of ``mpiexec -n 2 python -m mpi4py -m pytest tests/mpi``
+(``tests/test_mpi.py`` launches them); a plain ``pytest`` run skips them."""
+
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/helpers.py
+
+from dpfl_lightning.comm import launched_with_mpi  # noqa: E402
+
+
+def _world():
+    if not launched_with_mpi():
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def pytest_collection_modifyitems(config, items):
+    comm = _world()
+    if comm is None or comm.Get_size() < 2:
+        skip = pytest.mark.skip(reason="needs mpiexec -n 2 (run by tests/test_mpi.py)")
+        for item in items:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def comm():
+    return _world()
+
+
+@pytest.fixture
+def shared_tmp(comm):
+    """A directory every rank sees (created by rank 0)."""
+    path = tempfile.mkdtemp(prefix="dpfl-mpi-") if comm.Get_rank() == 0 else None
+    path = comm.bcast(path, root=0)
+    yield path
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)

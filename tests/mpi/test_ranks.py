@@ -1,0 +1,70 @@
+"""Under two ranks: bit-identical to one process, client state by owner, rank-0-only logs."""
+
+import os
+
+import pytest
+import torch
+
+from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping, UpdateNormalization
+from dpfl_lightning.plugins.base import FederatedCallback
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+
+class Participation(FederatedCallback):
+    def on_client_end(self, *, trainer, result):
+        state = trainer.client_state(result.client)
+        state["n"] = state.get("n", 0) + 1
+
+
+def _fit(log_dir, communicator, placement="central", bound=UpdateClipping, ckpt_path=None, **kw):
+    plugins = [bound(0.5), GaussianNoise(noise_multiplier=0.4, placement=placement), Participation(),
+               ServerOptimizer("sgd", lr=1.0, momentum=0.5)]
+    trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=7, communicator=communicator, seed=4, plugins=plugins, **kw)
+    module = trainer.fit(TinyClassifier(), tiny_data(num_clients=15), ckpt_path=ckpt_path)
+    return trainer, module
+
+
+@pytest.mark.parametrize("placement", ["local", "central", "distributed"])
+@pytest.mark.parametrize("bound", [UpdateClipping, UpdateNormalization])
+def test_two_ranks_bit_identical_to_one(shared_tmp, comm, placement, bound):
+    two, m2 = _fit(os.path.join(shared_tmp, "two"), "auto", placement, bound)
+    assert two.world_size == 2
+    one, m1 = _fit(os.path.join(shared_tmp, f"one{comm.Get_rank()}"), "local", placement, bound)
+    assert one.world_size == 1
+    assert torch.equal(m2.global_params, m1.global_params)
+    assert [h["my_train_loss"] for h in two.history] == [h["my_train_loss"] for h in one.history]
+    everyone = comm.allgather(m2.global_params.numpy().tobytes())
+    assert everyone[0] == everyone[1]
+
+
+def test_gloo_communicator_matches(shared_tmp, comm):
+    _, ref = _fit(os.path.join(shared_tmp, f"ref{comm.Get_rank()}"), "local")
+    trainer, mod = _fit(os.path.join(shared_tmp, "gloo"), "gloo")
+    trainer.comm.close()
+    assert torch.equal(mod.global_params, ref.global_params)
+
+
+def test_client_state_lives_on_its_owner_and_resumes_across_world_sizes(shared_tmp, comm):
+    full, ref = _fit(os.path.join(shared_tmp, "full"), "auto", checkpoint_every=2)
+    rank = comm.Get_rank()
+    assert full.client_states and all(c % 2 == rank for c in full.client_states)
+    mid = os.path.join(full.checkpoint_dir, "round-000002.ckpt")
+    state = ckpt.load(mid)
+    assert {c % 2 for c in state["client_states"]} == {0, 1}  # gathered by client id from both ranks
+    # a 2-rank checkpoint resumed by one process reaches the same model
+    resumed, out = _fit(os.path.join(shared_tmp, f"resumed{rank}"), "local", ckpt_path=mid)
+    assert torch.equal(out.global_params, ref.global_params)
+    everyone = {}
+    for part in comm.allgather(full.client_states):
+        everyone.update(part)
+    assert resumed.client_states == everyone
+
+
+def test_only_rank_zero_logs(shared_tmp, comm):
+    log_dir = os.path.join(shared_tmp, "logs")
+    trainer, _ = _fit(log_dir, "auto")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(log_dir) for f in fs if f == "metrics.csv"]
+    comm.Barrier()
+    assert len(files) == 1
+    assert hasattr(trainer, "csv_log_dir") == (comm.Get_rank() == 0)

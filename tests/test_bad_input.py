@@ -1,0 +1,121 @@
+"""Bad input: one clear line naming the setting and the fix, a non-zero exit, nothing half-written."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dpfl_lightning import FederatedDataModule, NonFiniteUpdateError
+from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from helpers import TinyClassifier, quiet_trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BASE = """
+trainer:
+  rounds: 2
+  clients_per_round: 4
+  batch_size: 4
+  enable_progress_bar: false
+  enable_summary: false
+  num_threads: 1
+  checkpoint_every: 1
+  log_dir: {log_dir}
+  plugins:
+    - class_path: dpfl_lightning.plugins.UpdateClipping
+      init_args: {{max_norm: 1.0}}
+model:
+  class_path: dpfl_lightning.models.MLPClassifier
+  init_args: {{in_features: {dim}, hidden: [8]}}
+data:
+  class_path: {data_class}
+  init_args: {data_args}
+"""
+
+
+def _write(tmp_path, data_class="dpfl_lightning.data.Digits", data_args="{num_clients: 20}", dim=64):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(BASE.format(log_dir=tmp_path / "runs", data_class=data_class, data_args=data_args, dim=dim))
+    return str(cfg)
+
+
+def _dpfl(*args, launcher=()):
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*launcher, sys.executable, "-m", "dpfl_lightning", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+
+
+def _assert_clear_error(proc, setting, tmp_path, code=2):
+    assert proc.returncode == code, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("dpfl: error")]
+    assert len(lines) >= 1 and setting in lines[0] and "Fix:" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)  # no checkpoint, partial or not
+
+
+@pytest.mark.parametrize("override,setting", [
+    (["--trainer.clients_per_round", "50"], "trainer.clients_per_round"),
+    (["--trainer.plugins.init_args.max_norm", "0"], "UpdateClipping.max_norm"),
+    (["--data.init_args.partition", "zipf"], "data.partition"),
+    (["--trainer.rounds", "0"], "trainer.rounds"),
+])
+def test_cli_config_errors(tmp_path, override, setting):
+    _assert_clear_error(_dpfl("fit", "--config", _write(tmp_path), *override), setting, tmp_path)
+
+
+def test_cli_missing_data_path(tmp_path):
+    cfg = _write(tmp_path, "dpfl_lightning.data.NpzFile", f"{{path: {tmp_path / 'nowhere.npz'}, num_clients: 4}}", dim=4)
+    _assert_clear_error(_dpfl("fit", "--config", cfg), "data.path", tmp_path)
+
+
+def test_cli_more_ranks_than_clients(tmp_path):
+    path = tmp_path / "two.npz"
+    np.savez(path, x_train=np.random.rand(20, 4), y_train=np.arange(20) % 2, client_train=np.arange(20) % 2)
+    cfg = _write(tmp_path, "dpfl_lightning.data.NpzFile", f"{{path: {path}}}", dim=4)
+    proc = _dpfl("fit", "--config", cfg, "--trainer.clients_per_round", "2", launcher=("mpiexec", "-n", "3"))
+    assert proc.returncode != 0
+    assert "mpiexec -n" in proc.stderr and "more ranks than clients" in proc.stderr
+    assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
+
+
+def test_cli_non_finite_update(tmp_path):
+    x = np.random.rand(40, 4).astype(np.float32)
+    x[5, 0] = np.inf  # client 1's data (rows 1, 5, ... belong to client 1)
+    path = tmp_path / "bad.npz"
+    np.savez(path, x_train=x, y_train=np.arange(40) % 2, client_train=np.arange(40) % 4)
+    cfg = _write(tmp_path, "dpfl_lightning.data.NpzFile", f"{{path: {path}}}", dim=4)
+    proc = _dpfl("fit", "--config", cfg)
+    _assert_clear_error(proc, "client(s) [1]", tmp_path, code=1)
+
+
+def _bad_client_data():
+    x = torch.randn(40, 10)
+    x[8] = float("nan")  # client 2 under the iid split below holds row 8
+    data = FederatedDataModule.from_tensors(x, torch.arange(40) % 10, x[:8], torch.arange(8) % 10, num_clients=4,
+                                            partition="iid")
+    data.setup()
+    bad = [c for c in range(4) if 8 in data._train_idx[c].tolist()]
+    return data, bad
+
+
+def test_non_finite_update_never_reaches_the_model(log_dir):
+    data, bad = _bad_client_data()
+    model = TinyClassifier()
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(log_dir, rounds=3, plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)])
+    with pytest.raises(NonFiniteUpdateError, match=re.escape(f"client(s) {bad}")):
+        trainer.fit(model, data)
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+
+
+def test_non_finite_update_skipped_when_asked(log_dir):
+    data, _ = _bad_client_data()
+    trainer = quiet_trainer(log_dir, rounds=3, on_nonfinite="skip", plugins=[UpdateClipping(1.0)])
+    module = trainer.fit(TinyClassifier(), data)
+    assert torch.isfinite(module.global_params).all()
+    assert [h["skipped_clients"] for h in trainer.history] == [1.0, 1.0, 1.0]

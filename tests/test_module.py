@@ -82,7 +82,7 @@ def test_train_loss_is_the_mean_of_logged_steps(log_dir):
     class Spy(TinyClassifier):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
-            seen.append((float(loss), batch[0].shape[0]))
+            seen.append((float(loss.detach()), batch[0].shape[0]))
             return loss
 
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=3, batch_size=5)

@@ -30,7 +30,7 @@ from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, ExactSum, FloatSum, make_communicator
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
-from dpfl_lightning.executor import Executor, SequentialExecutor
+from dpfl_lightning.executor import Executor, SequentialExecutor, VmapExecutor
 from dpfl_lightning.logged_metrics import merge
 from dpfl_lightning.loggers import RoundProgress, make_csv_logger, print_summary
 from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
@@ -41,6 +41,7 @@ from dpfl_lightning.sampling import ClientSampler
 HOOKS = ("on_round_start", "on_client_start", "on_before_optimizer_step", "on_client_end", "on_aggregate",
          "on_server_update", "on_round_end", "on_fit_start", "on_fit_end")
 _BUILTIN_SCALARS = ("weight", "nonfinite")
+EXECUTORS = {"sequential": SequentialExecutor, "vmap": VmapExecutor}
 
 
 def _set_rank_zero(rank: int) -> None:
@@ -96,6 +97,8 @@ class FederatedTrainer:
         enable_progress_bar / enable_summary: the console progress bar and end-of-run table.
         checkpoint_every: write a checkpoint every this many rounds (and after the last); ``None``: never.
         checkpoint_dir: default ``<log_dir>/<run_name>/checkpoints``.
+        executor: ``sequential`` (every hook, any module) or ``vmap`` (clients of a rank trained
+            together with ``torch.func.vmap``; see :class:`~dpfl_lightning.executor.VmapExecutor`).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class FederatedTrainer:
         enable_summary: bool = True,
         checkpoint_every: int | None = None,
         checkpoint_dir: str | None = None,
+        executor: str = "sequential",
     ) -> None:
         self.hparams = {k: v for k, v in locals().items() if k not in ("self", "plugins", "loggers", "algorithm")}
         self.hparams["plugins"] = [repr(p) for p in plugins or []]
@@ -191,7 +195,8 @@ class FederatedTrainer:
         user_plugins = list(plugins or [])
         preset = list(algorithm.plugins()) if algorithm is not None else []
         self.plugins: list[FederatedCallback] = sorted(preset + user_plugins, key=lambda p: p.order)
-        self.executor: Executor = SequentialExecutor()
+        require(executor in EXECUTORS, "trainer.executor", executor, "unknown executor", f"use one of {', '.join(EXECUTORS)}")
+        self.executor: Executor = EXECUTORS[executor]()
         self.config: dict[str, Any] | None = None  # the resolved run configuration, set by the CLI
         self.comm: Communicator | None = None
         self.history: list[dict[str, float]] = []
@@ -301,6 +306,7 @@ class FederatedTrainer:
                         "two plugins aggregate a scalar of the same name", "rename one of them")
                 self._scalar_names.append(name)
         self._rows = torch.empty(0, module.num_parameters, device=self.device)
+        self.executor.setup(self)
 
     # ------------------------------------------------------------------ fit
     def fit(self, module: Any, data: FederatedDataModule, ckpt_path: str | None = None) -> FederatedLightningModule:

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run any dpfl command on NP ranks of this machine (one process per GPU, or per core group):
+#   NP=4 launchers/mpirun.sh fit --config configs/quickstart.yaml
+# `python -m mpi4py` makes an uncaught error on one rank abort every rank instead of hanging.
+# mpiexec comes with the `mpich` wheel (pip install -e ".[mpi]"): no system MPI is needed.
+set -euo pipefail
+NP="${NP:-2}"
+exec mpiexec -n "$NP" python -m mpi4py -m dpfl_lightning "$@"

@@ -36,9 +36,10 @@ from dpfl_lightning.loggers import RoundProgress, make_csv_logger, print_summary
 from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
 from dpfl_lightning.plugins.base import Aggregate, ClientUpdate, FederatedCallback
 from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
+from dpfl_lightning.privacy.ledger import PrivacyLedger
 from dpfl_lightning.sampling import ClientSampler
 
-HOOKS = ("on_round_start", "on_client_start", "on_before_optimizer_step", "on_client_end", "on_aggregate",
+HOOKS = ("before_round", "on_round_start", "on_client_start", "on_before_optimizer_step", "on_client_end", "on_aggregate",
          "on_server_update", "on_round_end", "on_fit_start", "on_fit_end")
 _BUILTIN_SCALARS = ("weight", "nonfinite")
 EXECUTORS = {"sequential": SequentialExecutor, "vmap": VmapExecutor}
@@ -293,6 +294,10 @@ class FederatedTrainer:
 
         if not any(isinstance(p, ServerOptimizer) for p in self.plugins):
             self.plugins.append(ServerOptimizer("sgd", lr=1.0))
+        declares = any(type(p).privacy_mechanism is not FederatedCallback.privacy_mechanism for p in self.plugins)
+        if declares and not any(isinstance(p, PrivacyLedger) for p in self.plugins):
+            self.plugins.append(PrivacyLedger())
+        self.plugins.sort(key=lambda p: p.order)
         require(sum(isinstance(p, ServerOptimizer) for p in self.plugins) == 1, "trainer.plugins",
                 [type(p).__name__ for p in self.plugins], "more than one ServerOptimizer", "keep one ServerOptimizer")
         for p in self.plugins:
@@ -328,10 +333,12 @@ class FederatedTrainer:
         t_fit = time.perf_counter()
         try:
             for r in range(start, self.rounds):
+                cohort = self.sampler.sample(self.seed, r)
+                self.call_hook("before_round", round_idx=r, cohort=cohort)
                 if self.should_stop:
                     break
                 self.current_round = r
-                metrics = self._round(r)
+                metrics = self._round(r, cohort)
                 self.call_hook("on_round_end", round_idx=r, metrics=metrics)
                 if r + 1 == self.rounds or self.should_stop:
                     metrics.update(self._final_test())
@@ -385,10 +392,9 @@ class FederatedTrainer:
                          "init_args": simple(self.data)}}
 
     # ------------------------------------------------------------------ one round
-    def _round(self, r: int) -> dict[str, float]:
+    def _round(self, r: int, cohort: list[int]) -> dict[str, float]:
         t0 = time.perf_counter()
         module, comm = self.module, self.comm
-        cohort = self.sampler.sample(self.seed, r)
         self.call_hook("on_round_start", round_idx=r, cohort=cohort)
         mine = [c for c in cohort if self.owner(c) == comm.rank]
         if self._rows.shape[0] < len(mine):

@@ -3,7 +3,7 @@
 The trainer calls the hooks of its plugins in ``order`` (lowest first; equal orders keep list
 order). A round runs:
 
-``on_round_start`` -> for each client of this rank: ``on_client_start``, local training (with
+``before_round`` (may stop training) -> ``on_round_start`` -> for each client of this rank: ``on_client_start``, local training (with
 ``on_before_optimizer_step`` before every local optimizer step), ``on_client_end`` -> one
 all-reduce of the rank's sums -> ``on_aggregate`` -> ``on_server_update`` -> evaluation ->
 ``on_round_end``.
@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from dpfl_lightning.module import FederatedLightningModule
+    from dpfl_lightning.privacy.events import Mechanism
     from dpfl_lightning.trainer import FederatedTrainer
 
 # Where a plugin runs relative to the others. Sensitivity must be bounded before noise is added,
@@ -82,6 +83,10 @@ class FederatedCallback:
     def on_fit_end(self, *, trainer: FederatedTrainer) -> None:
         """After the last round."""
 
+    def before_round(self, *, trainer: FederatedTrainer, round_idx: int, cohort: list[int]) -> None:
+        """Before anything of the round happens; call ``trainer.stop(reason)`` to end training here
+        (e.g. the privacy budget would be exceeded). Every rank sees the same cohort."""
+
     def on_round_start(self, *, trainer: FederatedTrainer, round_idx: int, cohort: list[int]) -> None:
         """A round begins; ``cohort`` is every sampled client (all ranks see the same list)."""
 
@@ -105,6 +110,11 @@ class FederatedCallback:
 
     def on_round_end(self, *, trainer: FederatedTrainer, round_idx: int, metrics: dict[str, float]) -> None:
         """The round is over; add to ``metrics`` what should be logged."""
+
+    def privacy_mechanism(self, *, trainer: FederatedTrainer) -> Mechanism | None:
+        """The DP mechanism this plugin runs every round, for the privacy ledger (after ``setup``).
+        Every plugin that releases a noisy statistic declares it here."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -52,9 +52,17 @@ class GaussianNoise(FederatedCallback):
     order = ORDER_ADD_NOISE
 
     def __init__(self, std: float | None = None, noise_multiplier: float | None = None,
-                 placement: str = "central") -> None:
-        require((std is None) != (noise_multiplier is None), "GaussianNoise", {"std": std, "noise_multiplier": noise_multiplier},
-                "exactly one of std and noise_multiplier must be set", "pass std=... or noise_multiplier=...")
+                 placement: str = "central", target_epsilon: float | None = None, delta: float | None = None,
+                 accountant: str = "rdp") -> None:
+        given = {"std": std, "noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon}
+        require(sum(v is not None for v in given.values()) == 1, "GaussianNoise", given,
+                "exactly one of std, noise_multiplier and target_epsilon must be set",
+                "pass std=..., noise_multiplier=... or target_epsilon=... (with delta)")
+        if target_epsilon is not None:
+            require(math.isfinite(target_epsilon) and target_epsilon > 0, "GaussianNoise.target_epsilon",
+                    target_epsilon, "must be a finite number > 0", "set a positive epsilon, e.g. 3.0")
+        require(delta is None or 0 < delta < 1, "GaussianNoise.delta", delta, "must be in (0, 1)",
+                "set delta well below 1/num_clients")
         for name, value in (("std", std), ("noise_multiplier", noise_multiplier)):
             if value is not None:
                 require(math.isfinite(value) and value >= 0, f"GaussianNoise.{name}", value,
@@ -64,6 +72,9 @@ class GaussianNoise(FederatedCallback):
         self.std = std
         self.noise_multiplier = noise_multiplier
         self.placement = placement
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.accountant = accountant
         self.sensitivity: float | None = None
         self._cohort_size = 1
 
@@ -84,10 +95,45 @@ class GaussianNoise(FederatedCallback):
                               "a noise multiplier needs a norm bound to scale, and no UpdateClipping or "
                               "UpdateNormalization runs before the noise",
                               "add UpdateClipping(C) or UpdateNormalization(C) to the plugins, or give std=")
+        if self.target_epsilon is not None:
+            if self.sensitivity is None:
+                raise ConfigError("GaussianNoise.target_epsilon", self.target_epsilon,
+                                  "calibration needs a norm bound and no UpdateClipping or UpdateNormalization "
+                                  "runs before the noise", "add UpdateClipping(C) or UpdateNormalization(C)")
+            self.noise_multiplier = self._calibrate(trainer)
         if trainer.weighting != "uniform":
             raise ConfigError("trainer.weighting", trainer.weighting,
                               "weighting clients by sample count makes the sensitivity data-dependent",
                               "use weighting='uniform' with GaussianNoise")
+
+    def _calibrate(self, trainer) -> float:
+        """The smallest ``z`` (to 1%) whose ledger epsilon after ``trainer.rounds`` rounds is at most
+        the target: the accounted release scales linearly with ``z``."""
+        from dpfl_lightning.privacy.calibrate import calibrate_release
+        from dpfl_lightning.privacy.events import default_delta, guarantee
+
+        if self.delta is None:
+            self.delta = default_delta(trainer.sampler.num_clients)
+        g = guarantee(self._mechanism(1.0), trainer.sampler)
+        steps = trainer.rounds
+        if g.per_client:  # cohorts are keyed by the seed: the busiest client's participations are known
+            counts = torch.zeros(trainer.sampler.num_clients, dtype=torch.int64)
+            for r in range(trainer.rounds):
+                counts[trainer.sampler.sample(trainer.seed, r)] += 1
+            steps = int(counts.max())
+        z_release = calibrate_release(g.release, self.target_epsilon, self.delta, steps * g.steps_per_round,
+                                      self.accountant)
+        return z_release / g.release.noise_multiplier
+
+    def _mechanism(self, z: float):
+        from dpfl_lightning.privacy.events import Mechanism
+
+        return Mechanism("GaussianNoise", "client", self.placement, z * self.sensitivity, self.sensitivity)
+
+    def privacy_mechanism(self, *, trainer):
+        if self.sensitivity is None:
+            return None  # std without a norm bound: no DP statement can be made
+        return self._mechanism(self.sigma / self.sensitivity)
 
     def on_round_start(self, *, trainer, round_idx: int, cohort: list[int]) -> None:
         self._cohort_size = max(len(cohort), 1)

@@ -75,11 +75,17 @@ def calibrate_noise(target_epsilon: float, delta: float, steps: int, sampling_ra
 
     ``sampling`` defaults to ``poisson`` when ``sampling_rate < 1`` and ``none`` otherwise.
     """
-    _validate(target_epsilon, delta, accountant)
-    require(isinstance(steps, int) and steps >= 1, "rounds", steps, "must be an integer >= 1", "set rounds >= 1")
     if sampling is None:
         sampling = "poisson" if sampling_rate < 1 else "none"
-    base = GaussianRelease(1.0, sampling, sampling_rate, relation, population, sample_size)
+    return calibrate_release(GaussianRelease(1.0, sampling, sampling_rate, relation, population, sample_size),
+                             target_epsilon, delta, steps, accountant, rtol)
+
+
+def calibrate_release(base: GaussianRelease, target_epsilon: float, delta: float, steps: int,
+                      accountant: str = "rdp", rtol: float = 0.01) -> float:
+    """:func:`calibrate_noise` for the sampling and relation of ``base`` (its multiplier is ignored)."""
+    _validate(target_epsilon, delta, accountant)
+    require(isinstance(steps, int) and steps >= 1, "rounds", steps, "must be an integer >= 1", "set rounds >= 1")
 
     def exact(z: float) -> float:
         return epsilon(replace(base, noise_multiplier=z), steps, delta, accountant).epsilon

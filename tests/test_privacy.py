@@ -1,0 +1,198 @@
+"""Accounting: equal to dp_accounting's RDP, PLD/PRV within 1%, calibration never above target,
+monotone, and the ledger (budget, resume, participation counting)."""
+
+import math
+import os
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld as dp_pld
+from dp_accounting import rdp as dp_rdp
+from dp_accounting.privacy_accountant import NeighboringRelation
+from scipy import optimize, stats
+
+from dpfl_lightning import ConfigError
+from dpfl_lightning.plugins import GaussianNoise, UpdateClipping, UpdateNormalization
+from dpfl_lightning.privacy import GaussianRelease, calibrate_noise, epsilon, max_steps
+from dpfl_lightning.privacy.accountants import DEFAULT_RDP_ORDERS, fast_rdp_poisson_gaussian, rdp_curve
+from dpfl_lightning.privacy.ledger import PrivacyLedger
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+
+def _reference_rdp(q, z, steps, delta, relation=NeighboringRelation.ADD_OR_REMOVE_ONE):
+    acc = dp_rdp.RdpAccountant(neighboring_relation=relation)
+    event = dp_accounting.GaussianDpEvent(z) if q == 1 else dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    acc.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("q", [0.01, 0.1, 1.0])
+@pytest.mark.parametrize("z", [0.7, 1.5, 4.0])
+@pytest.mark.parametrize("steps", [1, 100, 3000])
+def test_rdp_equals_dp_accounting_exactly(q, z, steps):
+    for delta in (1e-5, 1e-8):
+        ours = epsilon(GaussianRelease(z, "poisson", q), steps, delta, "rdp")
+        assert ours.method == "rdp"
+        assert ours.epsilon == _reference_rdp(q, z, steps, delta)
+
+
+@pytest.mark.parametrize("q,z,steps,delta", [(0.01, 0.8, 1000, 1e-5), (0.1, 1.0, 500, 1e-3), (0.05, 2.0, 3000, 1e-6),
+                                             (1.0, 5.0, 200, 1e-5), (0.2, 1.2, 50, 1e-5)])
+def test_pld_and_prv_agree_within_one_percent(q, z, steps, delta):
+    ref = dp_pld.PLDAccountant()  # dp_accounting's defaults (finer discretisation than ours)
+    ref.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)) if q < 1 else dp_accounting.GaussianDpEvent(z), steps))
+    ref_eps = ref.get_epsilon(delta)
+    ours = epsilon(GaussianRelease(z, "poisson", q), steps, delta, "pld").epsilon
+    assert ours == pytest.approx(ref_eps, rel=0.01)
+    assert ours >= ref_eps * (1 - 1e-3)  # a coarser pessimistic discretisation is not optimistic
+    prv = epsilon(GaussianRelease(z, "poisson", q), steps, delta, "prv")
+    assert prv.method == "prv" and prv.epsilon == pytest.approx(ref_eps, rel=0.01)
+    assert ours <= _reference_rdp(q, z, steps, delta) + 1e-9  # PLD is at least as tight as RDP
+
+
+def test_known_values_from_the_libraries():
+    # DESIGN.md: N=1000, cohort 100, T=500, z=1, delta=1e-3 -> RDP 14.04 (Opacus and dp_accounting), PRV/PLD ~12.46
+    r = GaussianRelease(1.0, "poisson", 0.1)
+    assert epsilon(r, 500, 1e-3, "rdp").epsilon == pytest.approx(14.04, abs=0.01)
+    assert epsilon(r, 500, 1e-3, "pld").epsilon == pytest.approx(12.46, abs=0.02)
+
+
+def test_full_participation_pld_matches_the_gaussian_dp_closed_form():
+    # T Gaussian mechanisms with multiplier z are exactly mu-GDP with mu = sqrt(T)/z (Dong, Roth, Su):
+    # delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2).
+    T, z, delta = 400, 20.0, 1e-6
+    mu = math.sqrt(T) / z
+    exact = optimize.brentq(lambda e: stats.norm.cdf(-e / mu + mu / 2) - math.exp(e) * stats.norm.cdf(-e / mu - mu / 2) - delta, 1e-6, 50)
+    ours = epsilon(GaussianRelease(z), T, delta, "pld").epsilon
+    assert ours == pytest.approx(exact, rel=0.01) and ours >= exact * (1 - 1e-6)
+
+
+def test_vectorised_rdp_curve_matches_dp_accounting():
+    for q, z in [(0.05, 0.8), (0.3, 0.6), (0.001, 5.0)]:
+        exact = rdp_curve(GaussianRelease(z, "poisson", q))
+        fast = fast_rdp_poisson_gaussian(q, z)
+        assert np.array_equal(np.isfinite(exact), np.isfinite(fast))
+        ok = np.isfinite(exact)
+        assert np.allclose(fast[ok], exact[ok], rtol=1e-10, atol=0)
+        assert len(exact) == len(DEFAULT_RDP_ORDERS)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("target,rounds,q", [(2.0, 1000, 0.05), (1.0, 50, 1.0), (8.0, 200, 0.01)])
+def test_calibration_round_trip(accountant, target, rounds, q):
+    z = calibrate_noise(target, 1e-6, rounds, q, accountant=accountant)
+    eps = epsilon(GaussianRelease(z, "poisson" if q < 1 else "none", q), rounds, 1e-6, accountant).epsilon
+    assert target * 0.99 <= eps <= target
+
+
+def test_calibration_without_replacement():
+    z = calibrate_noise(3.0, 1e-5, 100, sampling="without_replacement", relation="replace_one", population=1000,
+                        sample_size=50)
+    eps = epsilon(GaussianRelease(z, "without_replacement", relation="replace_one", population=1000, sample_size=50),
+                  100, 1e-5).epsilon
+    assert 3.0 * 0.99 <= eps <= 3.0
+
+
+def test_max_steps_is_the_inverse():
+    z, target, q = 1.1, 4.0, 0.02
+    t = max_steps(z, target, 1e-6, q)
+    r = GaussianRelease(z, "poisson", q)
+    assert epsilon(r, t, 1e-6).epsilon <= target < epsilon(r, t + 1, 1e-6).epsilon
+    assert max_steps(0.3, 0.01, 1e-6, 1.0) == 0
+
+
+def test_monotone_in_rounds_and_noise():
+    r = lambda z: GaussianRelease(z, "poisson", 0.05)  # noqa: E731
+    by_rounds = [epsilon(r(1.0), t, 1e-5).epsilon for t in (1, 10, 100, 1000)]
+    assert by_rounds == sorted(by_rounds) and len(set(by_rounds)) == 4
+    by_noise = [epsilon(r(z), 500, 1e-5).epsilon for z in (0.6, 1.0, 2.0, 8.0)]
+    assert by_noise == sorted(by_noise, reverse=True)
+
+
+@pytest.mark.parametrize("kwargs,setting", [({"target_epsilon": 0.0}, "target_epsilon"), ({"target_epsilon": -1.0}, "target_epsilon"),
+                                            ({"delta": 0.0}, "delta"), ({"delta": 1.0}, "delta"), ({"accountant": "moments"}, "accountant")])
+def test_bad_calibration_input(kwargs, setting):
+    args = {"target_epsilon": 1.0, "delta": 1e-5, "steps": 10, "sampling_rate": 0.1, **kwargs}
+    with pytest.raises(ConfigError, match=setting):
+        calibrate_noise(**args)
+
+
+def test_unreachable_target():
+    with pytest.raises(ConfigError, match="unreachable"):
+        calibrate_noise(1e-6, 1e-12, 10**6, 1.0)
+
+
+# ------------------------------------------------------------------------------------ the ledger
+def _dp_trainer(log_dir, placement="central", rounds=6, ledger=None, **kw):
+    plugins = [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.5, placement=placement)]
+    if ledger is not None:
+        plugins.append(ledger)
+    return quiet_trainer(log_dir, rounds=rounds, clients_per_round=4, plugins=plugins, **kw)
+
+
+def test_ledger_logs_epsilon_every_round_and_matches_the_accountant(log_dir):
+    trainer = _dp_trainer(log_dir, sampling="poisson", ledger=PrivacyLedger(delta=1e-4))
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+    q = 4 / 40
+    for t, h in enumerate(trainer.history, start=1):
+        assert h["epsilon"] == _reference_rdp(q, 1.5, t, 1e-4)
+
+
+def test_ledger_is_added_by_default_with_delta_below_one_over_n(log_dir):
+    trainer = _dp_trainer(log_dir)
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+    ledger = [p for p in trainer.plugins if isinstance(p, PrivacyLedger)][0]
+    assert ledger.delta <= 0.1 / 40
+    assert "epsilon" in trainer.history[-1]
+
+
+def test_ledger_refuses_delta_at_or_above_one_over_n(log_dir):
+    trainer = _dp_trainer(log_dir, ledger=PrivacyLedger(delta=1 / 40))
+    with pytest.raises(ConfigError, match="PrivacyLedger.delta"):
+        trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+
+
+def test_budget_stops_before_exceeding(log_dir):
+    full = [_reference_rdp(0.1, 1.5, t, 1e-4) for t in range(1, 40)]
+    budget = (full[5] + full[6]) / 2  # exactly 6 rounds fit
+    trainer = _dp_trainer(log_dir, sampling="poisson", rounds=30, ledger=PrivacyLedger(delta=1e-4, budget=budget))
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+    assert len(trainer.history) == 6
+    assert trainer.history[-1]["epsilon"] <= budget < full[6]
+    assert "privacy budget" in trainer.stop_reason
+    assert "my_val_acc" in trainer.history[-1]
+
+
+def test_resumed_ledger_continues_exactly(tmp_path):
+    a = _dp_trainer(str(tmp_path / "a"), placement="local", rounds=6, checkpoint_every=3, ledger=PrivacyLedger(delta=1e-4))
+    a.fit(TinyClassifier(), tiny_data(num_clients=40))
+    b = _dp_trainer(str(tmp_path / "b"), placement="local", rounds=6, ledger=PrivacyLedger(delta=1e-4))
+    b.fit(TinyClassifier(), tiny_data(num_clients=40), ckpt_path=os.path.join(a.checkpoint_dir, "round-000003.ckpt"))
+    assert [h["epsilon"] for h in b.history] == [h["epsilon"] for h in a.history]
+    la = [p for p in a.plugins if isinstance(p, PrivacyLedger)][0]
+    lb = [p for p in b.plugins if isinstance(p, PrivacyLedger)][0]
+    assert lb.rounds == la.rounds == 6 and np.array_equal(lb.counts, la.counts)
+
+
+def test_local_noise_counts_only_participations(log_dir):
+    ledger = PrivacyLedger(delta=1e-4)
+    trainer = _dp_trainer(log_dir, placement="local", rounds=8, ledger=ledger)
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=20))
+    counts = np.zeros(20, dtype=int)
+    for r in range(8):
+        counts[trainer.sampler.sample(trainer.seed, r)] += 1
+    assert np.array_equal(ledger.counts, counts) and counts.max() < 8
+    # each participation is one Gaussian release with multiplier sigma / 2C (replace-one)
+    expected = _reference_rdp(1.0, 1.5 / 2, int(counts.max()), 1e-4, NeighboringRelation.REPLACE_ONE)
+    assert trainer.history[-1]["epsilon"] == expected
+
+
+def test_target_epsilon_calibrates_the_noise(log_dir):
+    noise = GaussianNoise(target_epsilon=3.0, delta=1e-4, placement="central")
+    trainer = quiet_trainer(log_dir, rounds=10, clients_per_round=4, sampling="poisson",
+                            plugins=[UpdateNormalization(1.0), noise])
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+    assert noise.noise_multiplier > 0
+    assert 3.0 * 0.99 <= trainer.history[-1]["epsilon"] <= 3.0

@@ -61,10 +61,51 @@ def fit_parser() -> ArgumentParser:
     return p
 
 
+def add_privacy_subcommands(p: ArgumentParser) -> None:
+    """``privacy epsilon | calibrate | plan`` (jsonargparse wants the parent added first)."""
+    sub = p.add_subcommands(dest="privacy_command")
+    eps = fit_parser()
+    eps.add_argument("--accountant", type=str | None, default=None, help="rdp, pld or prv (default: the ledger's)")
+    eps.add_argument("--delta", type=float | None, default=None, help="default: the ledger's")
+    sub.add_subcommand("epsilon", eps, help="epsilon a fit config would reach, without training")
+    cal = ArgumentParser()
+    cal.add_argument("--epsilon", type=float, required=True)
+    cal.add_argument("--delta", type=float, required=True)
+    cal.add_argument("--rounds", type=int, required=True)
+    _sampling_arguments(cal)
+    cal.add_argument("--placement", type=str, default="central", help="central, distributed or local")
+    cal.add_argument("--accountant", type=str, default="rdp")
+    sub.add_subcommand("calibrate", cal, help="noise multiplier for a target (epsilon, delta)")
+    plan = ArgumentParser()
+    plan.add_argument("--epsilon", type=float, required=True)
+    plan.add_argument("--delta", type=float, required=True)
+    plan.add_argument("--noise", type=list[float], required=True, help="noise multipliers, e.g. [10,20,40,80]")
+    plan.add_argument("--local_steps", type=list[int], default=[1, 5, 10, 20, 40])
+    plan.add_argument("--record_rate", type=float, default=1.0, help="DP-SGD's Poisson rate of records per step")
+    plan.add_argument("--accountant", type=str, default="rdp")
+    plan.add_argument("--paper001", type=bool, default=False,
+                      help="also paper 001's accountant (towards a third party, user sampling without replacement)")
+    plan.add_argument("--clients", type=int, default=100, help="paper 001: users M")
+    plan.add_argument("--records", type=int, default=4000, help="paper 001: records per user R")
+    plan.add_argument("--client_rate", type=float, default=0.05, help="paper 001: user sampling ratio l")
+    sub.add_subcommand("plan", plan, help="largest number of rounds for each (noise, local steps) at a target epsilon")
+
+
+def _sampling_arguments(p: ArgumentParser) -> None:
+    p.add_argument("--clients", type=int, required=True, help="number of clients M")
+    p.add_argument("--clients_per_round", type=int | None, default=None, help="m (uniform sampling)")
+    p.add_argument("--sampling", type=str | None, default=None, help="uniform, poisson or full")
+    p.add_argument("--sampling_rate", type=float | None, default=None, help="Poisson rate q")
+    p.add_argument("--seed", type=int, default=0, help="for local noise: which clients the seed samples")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="dpfl", description="Differentially private federated learning on Lightning modules.")
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("fit", fit_parser(), help="train")
+    privacy = ArgumentParser(description="Privacy accounting without training.")
+    sub.add_subcommand("privacy", privacy, help="epsilon, calibration and round planning")
+    add_privacy_subcommands(privacy)
     return parser
 
 
@@ -114,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if cfg.command == "fit":
             run_fit(parser, cfg)
+        elif cfg.command == "privacy":
+            from dpfl_lightning.privacy import report
+
+            report.run(parser, cfg)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear line and a status

@@ -63,6 +63,13 @@ class WandbLogger(_LightningWandbLogger):
         super().__init__(name=name, project=project, save_dir=save_dir, offline=resolved == "offline",
                          entity=entity, group=group, tags=list(tags or []), mode=resolved, **kwargs)
 
+    def finalize(self, status: str) -> None:
+        """End the W&B run too, so the next ``fit`` in this process starts its own run."""
+        super().finalize(status)
+        if self._experiment is not None:
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
+            self._experiment = None
+
 
 class RoundProgress:
     """A rich progress bar over rounds that shows the latest metrics (rank 0, when enabled)."""

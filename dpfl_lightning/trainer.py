@@ -261,6 +261,15 @@ class FederatedTrainer:
             return "cuda"
         return "cpu"
 
+    def prepare_sampling(self, data: FederatedDataModule) -> None:
+        """Split the data and build the client sampler (also used to plan privacy without training)."""
+        data.setup()
+        self.data = data
+        rate = self.sampling_rate
+        if self.sampling == "poisson" and rate is None and self.clients_per_round is not None:
+            rate = self.clients_per_round / data.num_clients
+        self.sampler = ClientSampler(self.sampling, data.num_clients, self.clients_per_round, rate)
+
     def _setup(self, module: FederatedLightningModule, data: FederatedDataModule) -> None:
         device_type = self._device_type()
         if self.comm is None:
@@ -279,14 +288,10 @@ class FederatedTrainer:
         else:
             self.device = torch.device("cpu")
 
-        data.setup()
+        self.prepare_sampling(data)
         M = data.num_clients
         require(comm.size <= M, "mpiexec -n", comm.size, f"more ranks than clients (data.num_clients={M})",
                 f"launch at most {M} ranks or use more clients")
-        rate = self.sampling_rate
-        if self.sampling == "poisson" and rate is None and self.clients_per_round is not None:
-            rate = self.clients_per_round / M
-        self.sampler = ClientSampler(self.sampling, M, self.clients_per_round, rate)
         data.to(self.device)
         module.setup(self.device, comm.rank, comm.size, comm.local_rank)
         self.module, self.data = module, data

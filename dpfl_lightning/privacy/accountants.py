@@ -24,12 +24,17 @@ from functools import lru_cache
 
 import dp_accounting
 import numpy as np
+from absl import logging as absl_logging
 from dp_accounting import pld as dp_pld
 from dp_accounting import rdp as dp_rdp
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
 
 from dpfl_lightning.errors import ConfigError, require
+
+# dp_accounting warns (via absl) for every RDP order whose series does not converge; that order is
+# then excluded, which is what we want. Keep the console readable.
+absl_logging.set_verbosity(absl_logging.ERROR)
 
 ACCOUNTANTS = ("rdp", "pld", "prv")
 SAMPLINGS = ("poisson", "without_replacement", "none")

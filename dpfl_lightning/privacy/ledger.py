@@ -154,7 +154,7 @@ class PrivacyLedger(FederatedCallback):
         if trainer.is_global_zero and self.guarantees and trainer.enable_summary:
             from rich.console import Console
 
-            console = Console(stderr=True)
+            console = Console(stderr=True, soft_wrap=True)
             for line in self.describe():
                 console.print(f"[bold]privacy[/bold]: {line}")
 

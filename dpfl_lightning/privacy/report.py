@@ -1,0 +1,123 @@
+"""``dpfl privacy ...``: epsilon of a configuration, calibration and round planning, without training."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dpfl_lightning.comm import LocalCommunicator
+from dpfl_lightning.errors import require
+from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.privacy.accountants import epsilon
+from dpfl_lightning.privacy.calibrate import calibrate_release, max_steps
+from dpfl_lightning.privacy.events import Mechanism, guarantee
+from dpfl_lightning.privacy.ledger import PrivacyLedger
+from dpfl_lightning.sampling import ClientSampler
+
+
+def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: float | None = None) -> PrivacyLedger:
+    """Set up what the privacy ledger needs (data split, sampler, the mechanisms' plugins) and
+    return the ledger, without a model or any training."""
+    trainer.comm = trainer.comm or LocalCommunicator()
+    trainer.prepare_sampling(data)
+    ledger = next((p for p in trainer.plugins if isinstance(p, PrivacyLedger)), None)
+    if ledger is None:
+        ledger = PrivacyLedger()
+        trainer.plugins.append(ledger)
+    if accountant is not None:
+        ledger.accountant = accountant
+    if delta is not None:
+        ledger.delta = delta
+    for p in trainer.plugins:  # only what declares or bounds a mechanism; nothing touches a model
+        if p is not ledger and (type(p).privacy_mechanism is not FederatedCallback.privacy_mechanism
+                                or type(p).__name__ in ("UpdateClipping", "UpdateNormalization")):
+            p.setup(trainer=trainer, module=None)
+    ledger.setup(trainer=trainer, module=None)
+    return ledger
+
+
+def _print_epsilon(trainer: Any, ledger: PrivacyLedger) -> None:
+    if not ledger.guarantees:
+        print("no DP mechanism is configured: no privacy guarantee (epsilon = inf)")
+        return
+    eps = ledger.planned_epsilons(trainer, trainer.rounds)
+    for g, line in zip(ledger.guarantees, ledger.describe()):
+        note = ledger.method_notes.get(g.name, "")
+        print(f"epsilon = {eps[g.name]:.4f} after {trainer.rounds} rounds: {line}" + (f" [{note}]" if note else ""))
+
+
+def _sampler(cfg: Any) -> ClientSampler:
+    kind = cfg.sampling or ("uniform" if cfg.clients_per_round else "poisson" if cfg.sampling_rate else "full")
+    return ClientSampler(kind, cfg.clients, cfg.clients_per_round, cfg.sampling_rate)
+
+
+def _calibrate(cfg: Any) -> None:
+    sampler = _sampler(cfg)
+    g = guarantee(Mechanism("cli", "client", cfg.placement, 1.0, 1.0), sampler)
+    steps = cfg.rounds
+    if g.per_client:
+        import numpy as np
+
+        counts = np.zeros(sampler.num_clients, dtype=np.int64)
+        for r in range(cfg.rounds):
+            counts[sampler.sample(cfg.seed, r)] += 1
+        steps = int(counts.max())
+    t0 = time.perf_counter()
+    z_release = calibrate_release(g.release, cfg.epsilon, cfg.delta, steps, cfg.accountant)
+    took = time.perf_counter() - t0
+    z = z_release / g.release.noise_multiplier
+    from dataclasses import replace
+
+    achieved = epsilon(replace(g.release, noise_multiplier=z_release), steps, cfg.delta, cfg.accountant)
+    print(f"noise_multiplier = {z:.6g}  (sigma = z * C; epsilon {achieved.epsilon:.4f} at delta "
+                    f"{cfg.delta:g} after {cfg.rounds} rounds, {achieved.method}; {g.description}; {took:.3f} s)")
+
+
+def _plan(cfg: Any) -> None:
+    require(all(k >= 1 for k in cfg.local_steps), "--local_steps", cfg.local_steps, "must be >= 1", "give positive K")
+    table = Table(title=f"largest number of rounds a client can take part in at epsilon={cfg.epsilon:g}, "
+                        f"delta={cfg.delta:g} (record-level DP-SGD, Poisson rate {cfg.record_rate:g}, {cfg.accountant})")
+    table.add_column("noise multiplier", justify="right")
+    for k in cfg.local_steps:
+        table.add_column(f"K={k}", justify="right")
+    for z in cfg.noise:
+        steps = max_steps(z, cfg.epsilon, cfg.delta, cfg.record_rate, accountant=cfg.accountant)
+        table.add_row(f"{z:g}", *[str(steps // k) for k in cfg.local_steps])
+    Console().print(table)
+    if cfg.paper001:
+        _plan_paper001(cfg)
+
+
+def _plan_paper001(cfg: Any) -> None:
+    """Paper 001's Table 1 trade-off: its own accountant next to dp_accounting's, same settings."""
+    from dpfl_lightning.privacy import paper001
+
+    args = dict(l=cfg.client_rate, s=cfg.record_rate, R=cfg.records, M=cfg.clients, delta=cfg.delta)
+    table = Table(title=f"rounds T at epsilon={cfg.epsilon:g}, delta={cfg.delta:g}: paper 001's accountant "
+                        f"(third party, l={cfg.client_rate:g}, s={cfg.record_rate:g}, M={cfg.clients}, R={cfg.records}) "
+                        "/ dp_accounting, user sample revealed")
+    table.add_column("sigma_g", justify="right")
+    for k in cfg.local_steps:
+        table.add_column(f"K={k}", justify="right")
+    for z in cfg.noise:
+        cells = [f"{paper001.max_rounds(cfg.epsilon, z, k, **args)} / "
+                 f"{paper001.modern_max_rounds(cfg.epsilon, z, k, method='participation', **args)}"
+                 for k in cfg.local_steps]
+        table.add_row(f"{z:g}", *cells)
+    Console().print(table)
+
+
+def run(parser: Any, cfg: Any) -> None:
+    pcfg = cfg.privacy
+    if pcfg.privacy_command == "epsilon":
+        sub = pcfg.epsilon
+        init = parser.instantiate_classes(cfg).privacy.epsilon
+        ledger = plan_run(init.trainer, init.data, sub.accountant, sub.delta)
+        _print_epsilon(init.trainer, ledger)
+    elif pcfg.privacy_command == "calibrate":
+        _calibrate(pcfg.calibrate)
+    else:
+        _plan(pcfg.plan)

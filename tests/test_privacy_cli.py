@@ -1,0 +1,54 @@
+"""``dpfl privacy epsilon | calibrate | plan``."""
+
+import os
+import re
+
+import pytest
+
+from dpfl_lightning import cli
+from dpfl_lightning.privacy import GaussianRelease, epsilon, max_steps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+FAST = ["--trainer.rounds", "4", "--trainer.enable_progress_bar", "false", "--trainer.num_threads", "1"]
+
+
+def test_epsilon_of_a_config_equals_what_training_logs(tmp_path, capsys):
+    cli.main(["privacy", "epsilon", "--config", QUICKSTART, *FAST])
+    out = capsys.readouterr().out
+    planned = float(re.search(r"epsilon = ([0-9.]+) after 4 rounds", out).group(1))
+    assert "towards anyone who sees the models" in out and "Poisson sampling q=0.2" in out
+    cli.main(["fit", "--config", QUICKSTART, *FAST, "--trainer.log_dir", str(tmp_path)])
+    import csv
+    import glob
+
+    (path,) = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("epsilon")]
+    assert float(rows[-1]["epsilon"]) == pytest.approx(planned, abs=1e-4)
+
+
+def test_calibrate_prints_a_multiplier_that_meets_the_target(capsys):
+    cli.main(["privacy", "calibrate", "--epsilon", "2", "--delta", "1e-6", "--rounds", "1000", "--clients", "1000",
+              "--sampling_rate", "0.05", "--accountant", "pld"])
+    z = float(re.search(r"noise_multiplier = ([0-9.]+)", capsys.readouterr().out).group(1))
+    eps = epsilon(GaussianRelease(z, "poisson", 0.05), 1000, 1e-6, "pld").epsilon
+    assert 1.98 <= eps <= 2.0 + 1e-3  # z is printed to 6 significant digits
+
+
+def test_plan_table(capsys):
+    cli.main(["privacy", "plan", "--epsilon", "3", "--delta", "1e-5", "--noise", "[2, 5]", "--local_steps", "[1, 10]",
+              "--record_rate", "0.1"])
+    out = capsys.readouterr().out
+    for z in (2, 5):
+        steps = max_steps(z, 3.0, 1e-5, 0.1)
+        row = re.search(rf"│\s+{z} │\s+(\d+) │\s+(\d+) │", out)
+        assert (int(row.group(1)), int(row.group(2))) == (steps, steps // 10)
+
+
+def test_bad_privacy_input(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["privacy", "calibrate", "--epsilon", "-1", "--delta", "1e-6", "--rounds", "10", "--clients", "100",
+                  "--sampling_rate", "0.1"])
+    assert e.value.code == 2
+    assert "target_epsilon" in capsys.readouterr().err

@@ -7,7 +7,8 @@ Extra plugins given next to a preset run after it where their order allows.
 
 from __future__ import annotations
 
-from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping, UpdateNormalization
+from dpfl_lightning.errors import require
+from dpfl_lightning.plugins import DPSGD, GaussianNoise, ServerOptimizer, UpdateClipping, UpdateNormalization
 from dpfl_lightning.plugins.base import FederatedCallback
 
 
@@ -19,6 +20,9 @@ class Algorithm:
 
     def plugins(self) -> list[FederatedCallback]:
         raise NotImplementedError
+
+    def validate(self, trainer) -> None:
+        """Check the trainer settings the algorithm prescribes (called at set-up)."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -105,4 +109,43 @@ class DPFedAvgClipLR(DPFedAvg):
         super().__init__(clip, noise_multiplier, placement, server_lr, server_momentum)
 
 
-PRESETS = {cls.name: cls for cls in (FedAvg, DPFedAvg, DPFedAvgLocal, DPNormFedAvg, DPFedAvgClipLR)}
+class PFL(Algorithm):
+    """Paper 004 Alg. 1 (PFL): every client trains with DP-SGD for ``E`` local epochs (record-level
+    DP towards the server), the server averages the models (FedAvg, ``theta = 1/k sum theta_i``).
+
+    ``total_epochs`` (``T = E x R``) is checked against ``trainer.local_epochs * trainer.rounds``, so
+    a sweep over (E, R) keeps the number of DP-SGD steps, hence the noise for a target epsilon,
+    fixed (paper 004 Sec. 4: the best split at a fixed budget is E = 1, R = T).
+    """
+
+    name = "pfl"
+
+    def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
+                 delta: float | None = None, max_grad_norm: float = 1.0, sampling: str = "poisson",
+                 total_epochs: int | None = None, fix_model: bool = False, accountant: str = "rdp") -> None:
+        self.noise_multiplier = noise_multiplier
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.max_grad_norm = max_grad_norm
+        self.sampling = sampling
+        self.total_epochs = total_epochs
+        self.fix_model = fix_model
+        self.accountant = accountant
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [DPSGD(noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon, delta=self.delta,
+                      max_grad_norm=self.max_grad_norm, sampling=self.sampling, fix_model=self.fix_model,
+                      accountant=self.accountant),
+                ServerOptimizer("sgd", lr=1.0)]
+
+    def validate(self, trainer) -> None:
+        if self.total_epochs is None:
+            return
+        require(trainer.local_epochs is not None, "trainer.local_epochs", None,
+                "PFL counts local work in epochs", "set trainer.local_epochs (E) instead of local_steps")
+        require(trainer.local_epochs * trainer.rounds == self.total_epochs, "trainer.rounds", trainer.rounds,
+                f"local_epochs x rounds = {trainer.local_epochs} x {trainer.rounds} != total_epochs = {self.total_epochs}",
+                f"set rounds = total_epochs / local_epochs = {self.total_epochs / trainer.local_epochs:g}")
+
+
+PRESETS = {cls.name: cls for cls in (FedAvg, DPFedAvg, DPFedAvgLocal, DPNormFedAvg, DPFedAvgClipLR, PFL)}

@@ -45,8 +45,9 @@ class SequentialExecutor(Executor):
             rng.seed_global(trainer.seed, round_idx, client, module.device)
             g = rng.generator(trainer.seed, round_idx, client, rng.DATA)
             batches = data.client_batches(client, trainer.batch_size, epochs=trainer.local_epochs,
-                                          steps=trainer.local_steps, generator=g)
-            runs.append(module.fit_client(batches, round_idx, lr_factor, trainer.step_hook(client)))
+                                          steps=trainer.local_steps, generator=g, sampling=trainer.batch_sampling)
+            runs.append(module.fit_client(batches, round_idx, lr_factor, trainer.step_hook(client),
+                                          trainer.optimizer_wrapper(client, round_idx)))
             torch.sub(module.working, module.global_params, out=rows[k])
         return runs
 
@@ -109,9 +110,9 @@ class VmapExecutor(Executor):
         if not module._automatic:
             raise ConfigError("trainer.executor", "vmap", "manual optimization is not vectorisable",
                               "use executor='sequential'")
-        hooked = [type(p).__name__ for p in trainer._hooks["on_before_optimizer_step"]]
+        hooked = [type(p).__name__ for p in trainer._hooks["on_before_optimizer_step"] + trainer._hooks["wrap_optimizer"]]
         if hooked:
-            raise ConfigError("trainer.executor", "vmap", f"plugins {hooked} change gradients inside local steps",
+            raise ConfigError("trainer.executor", "vmap", f"plugins {hooked} change gradients or optimizers inside local steps",
                               "use executor='sequential'")
         if list(m.buffers()):
             raise ConfigError("trainer.executor", "vmap", "the model has buffers (e.g. BatchNorm statistics)",

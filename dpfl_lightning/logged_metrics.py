@@ -90,6 +90,8 @@ class LoggedMetrics:
             raise ValueError(f"self.log({name!r}, ...) got a {type(value).__name__}; log numbers, tensors or Metrics")
         self._reducers.setdefault(name, _reducer_name(reduce_fx))
         weight = float(batch_size if batch_size is not None else self.current_batch_size)
+        if weight == 0:  # an empty batch (Poisson sampling) contributes nothing to a mean
+            return
         self._values.setdefault(name, []).append((value, weight))
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:

@@ -305,13 +305,17 @@ class FederatedLightningModule:
         round_idx: int = 0,
         lr_factor: float = 1.0,
         before_optimizer_step: StepHook | None = None,
+        wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
     ) -> ClientRun:
         """Train the module from its current parameters on one client's ``(epoch, batch_idx, batch)``
-        stream. The caller loads the global model first and reads ``working`` afterwards."""
+        stream. The caller loads the global model first and reads ``working`` afterwards.
+        ``wrap_optimizer`` replaces each fresh local optimizer (e.g. by a DP-SGD optimizer)."""
         m = self.inner
         shim = self._shim
         shim.current_epoch = round_idx
         opts, scheds = self.make_optimizers(lr_factor)
+        if wrap_optimizer is not None:
+            opts = [wrap_optimizer(o) for o in opts]
         lr = float(opts[0].param_groups[0]["lr"])
         handles = []
         if not self._automatic:

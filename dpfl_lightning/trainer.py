@@ -39,7 +39,7 @@ from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
 from dpfl_lightning.privacy.ledger import PrivacyLedger
 from dpfl_lightning.sampling import ClientSampler
 
-HOOKS = ("before_round", "on_round_start", "on_client_start", "on_before_optimizer_step", "on_client_end", "on_aggregate",
+HOOKS = ("before_round", "on_round_start", "on_client_start", "on_before_optimizer_step", "wrap_optimizer", "on_client_end", "on_aggregate",
          "on_server_update", "on_round_end", "on_fit_start", "on_fit_end")
 _BUILTIN_SCALARS = ("weight", "nonfinite")
 EXECUTORS = {"sequential": SequentialExecutor, "vmap": VmapExecutor}
@@ -198,6 +198,7 @@ class FederatedTrainer:
         self.plugins: list[FederatedCallback] = sorted(preset + user_plugins, key=lambda p: p.order)
         require(executor in EXECUTORS, "trainer.executor", executor, "unknown executor", f"use one of {', '.join(EXECUTORS)}")
         self.executor: Executor = EXECUTORS[executor]()
+        self.batch_sampling = "shuffle"  # DP-SGD switches to the independent batches it accounts for
         self.config: dict[str, Any] | None = None  # the resolved run configuration, set by the CLI
         self.comm: Communicator | None = None
         self.history: list[dict[str, float]] = []
@@ -245,6 +246,19 @@ class FederatedTrainer:
 
         return hook
 
+    def optimizer_wrapper(self, client: int, round_idx: int):
+        """The ``wrap_optimizer`` chain for ``client`` (``None`` when no plugin wraps optimizers)."""
+        plugins = self._hooks["wrap_optimizer"]
+        if not plugins:
+            return None
+
+        def wrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            for p in plugins:
+                optimizer = p.wrap_optimizer(trainer=self, client=client, round_idx=round_idx, optimizer=optimizer)
+            return optimizer
+
+        return wrap
+
     def stop(self, reason: str) -> None:
         """Ask the trainer to stop before the next round (all ranks must call it alike)."""
         self.should_stop = True
@@ -271,6 +285,8 @@ class FederatedTrainer:
         self.sampler = ClientSampler(self.sampling, data.num_clients, self.clients_per_round, rate)
 
     def _setup(self, module: FederatedLightningModule, data: FederatedDataModule) -> None:
+        if self.algorithm is not None:
+            self.algorithm.validate(self)
         device_type = self._device_type()
         if self.comm is None:
             self.comm = make_communicator(self.communicator_kind, device_type)
@@ -293,6 +309,8 @@ class FederatedTrainer:
         require(comm.size <= M, "mpiexec -n", comm.size, f"more ranks than clients (data.num_clients={M})",
                 f"launch at most {M} ranks or use more clients")
         data.to(self.device)
+        for p in self.plugins:  # e.g. DP-SGD may swap in a DP-compatible copy of the model
+            module.inner = p.configure_model(trainer=self, model=module.inner)
         module.setup(self.device, comm.rank, comm.size, comm.local_rank)
         self.module, self.data = module, data
         self.aggregator = ExactSum() if self.exact_aggregation else FloatSum()

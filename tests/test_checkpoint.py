@@ -36,7 +36,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     first = os.path.join(full.checkpoint_dir, "round-000003.ckpt")
     state = ckpt.load(first)
     assert state["round"] == 3
-    momentum = state["plugins"][-1]["state"]["optimizer"]["state"][0]["momentum_buffer"]
+    server = next(p for p in state["plugins"] if p["class"] == "ServerOptimizer")
+    momentum = server["state"]["optimizer"]["state"][0]["momentum_buffer"]
     assert torch.count_nonzero(momentum) > 0  # the server optimizer's state is saved
     assert state["client_states"] and all(isinstance(c, int) for c in state["client_states"])
 

@@ -105,7 +105,8 @@ def test_preset_through_the_trainer(log_dir):
     trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4, algorithm=DPNormFedAvg(scale=1.0, noise_multiplier=0.5))
     trainer.fit(TinyClassifier(), tiny_data())
     assert trainer.normalize_update_by_lr
-    assert [type(p).__name__ for p in trainer.plugins] == ["UpdateNormalization", "GaussianNoise", "ServerOptimizer"]
+    assert [type(p).__name__ for p in trainer.plugins] == ["UpdateNormalization", "GaussianNoise", "ServerOptimizer",
+                                                         "PrivacyLedger"]
 
 
 def test_per_client_evaluation(log_dir):

@@ -1,15 +1,20 @@
-"""Federated data: :class:`FederatedDataModule`, partitioners and built-in sources that need no
+"""Federated data: :class:`FederatedDataModule`, partitioners, built-in sources that need no
 download (:class:`Digits` from scikit-learn, paper 001's :class:`SyntheticLogistic`, paper 003's
-:class:`QuadraticClients`, and :class:`NpzFile` for arrays on disk)."""
+:class:`QuadraticClients`) and loaders for files already on disk (:class:`NpzFile`, MNIST /
+Fashion-MNIST IDX files, CIFAR-10 python batches)."""
 
 from dpfl_lightning.data.digits import Digits
 from dpfl_lightning.data.files import NpzFile
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.data.partition import PARTITIONS, partition
 from dpfl_lightning.data.synthetic import QuadraticClients, SyntheticLogistic, quadratic_problem, synthetic_logistic
+from dpfl_lightning.data.vision import CIFAR10, MNIST, FashionMNIST
 
 __all__ = [
+    "CIFAR10",
+    "MNIST",
     "PARTITIONS",
+    "FashionMNIST",
     "Digits",
     "FederatedDataModule",
     "NpzFile",

@@ -47,6 +47,14 @@ def _materialize(dataset: Dataset, chunk: int = 4096) -> tuple[torch.Tensor, ...
     return tuple(torch.cat([p[k] for p in parts]) for k in range(len(parts[0])))
 
 
+def record_sampling_rate(num_samples: int, batch_size: int | None) -> float:
+    """The probability that a record is in one DP-SGD batch: ``min(B, n) / n`` (Poisson rate, or the
+    sampled fraction for fixed-size batches). Batching and accounting both use this."""
+    if not batch_size:
+        return 1.0
+    return min(int(batch_size), num_samples) / num_samples
+
+
 class FederatedDataModule:
     """A training set split over ``num_clients`` clients, plus a global test set.
 
@@ -209,17 +217,27 @@ class FederatedDataModule:
 
     # ------------------------------------------------------------------ batches
     def client_batches(self, client: int, batch_size: int | None, *, epochs: int | None = None,
-                       steps: int | None = None, generator: torch.Generator | None = None) -> Iterator[tuple[int, int, Batch]]:
+                       steps: int | None = None, generator: torch.Generator | None = None,
+                       sampling: str = "shuffle") -> Iterator[tuple[int, int, Batch]]:
         """Yield ``(epoch, batch_idx, batch)`` for one client's local training.
 
-        ``epochs`` passes over the client's data, reshuffled each pass, or exactly ``steps``
-        batches (passes repeat as needed). ``batch_size=None`` is the full local dataset (full
-        gradients, as in papers 000 and 003)."""
+        ``sampling="shuffle"``: ``epochs`` passes over the client's data, reshuffled each pass, or
+        exactly ``steps`` batches (passes repeat as needed); ``batch_size=None`` is the full local
+        dataset (full gradients, as in papers 000 and 003).
+
+        For DP-SGD (what its accountant assumes): ``"poisson"`` draws every batch independently,
+        each record with probability ``batch_size / n`` (the batch size varies and can be 0);
+        ``"fixed"`` draws every batch independently as ``batch_size`` records without replacement.
+        One "epoch" is then ``ceil(n / batch_size)`` such draws."""
         self.setup()
         idx = self._train_idx[client]
         n = idx.numel()
         bs = n if not batch_size else min(int(batch_size), n)
         per_epoch = math.ceil(n / bs)
+        if sampling != "shuffle":
+            yield from self._sampled_batches(idx, bs, steps if steps is not None else per_epoch * (epochs or 1),
+                                             per_epoch, generator, sampling)
+            return
         shuffle = bs < n
         step = epoch = 0
         while True:
@@ -241,6 +259,30 @@ class FederatedDataModule:
             epoch += 1
             if steps is None and epoch >= (epochs or 1):
                 return
+
+    def _sampled_batches(self, idx: torch.Tensor, bs: int, steps: int, per_epoch: int,
+                         generator: torch.Generator | None, sampling: str) -> Iterator[tuple[int, int, Batch]]:
+        require(sampling in ("poisson", "fixed"), "sampling", sampling, "unknown batch sampling",
+                "use shuffle, poisson or fixed")
+        n = idx.numel()
+        rate = record_sampling_rate(n, bs)
+        for step in range(steps):
+            if sampling == "poisson":
+                chosen = idx[(torch.rand(n, generator=generator) < rate).to(idx.device)]
+            else:
+                chosen = idx[torch.randperm(n, generator=generator)[:bs].to(idx.device)]
+            if self._train_tensors is not None:
+                batch = tuple(t[chosen] for t in self._train_tensors)
+            else:
+                items = [self._train_ds[int(i)] for i in chosen.tolist()]
+                batch = default_collate(items) if items else self._empty_batch()
+            yield step // per_epoch, step % per_epoch, batch
+
+    def _empty_batch(self) -> Batch:
+        first = default_collate([self._train_ds[0]])
+        if isinstance(first, torch.Tensor):
+            return first[:0]
+        return type(first)(t[:0] for t in first)
 
     def _sequential(self, tensors: tuple[torch.Tensor, ...] | None, dataset: Dataset | None,
                     idx: torch.Tensor | None, batch_size: int | None) -> Iterator[Batch]:

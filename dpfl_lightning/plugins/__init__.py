@@ -2,6 +2,7 @@
 
 from dpfl_lightning.plugins.base import Aggregate, ClientUpdate, FederatedCallback
 from dpfl_lightning.plugins.clipping import UpdateClipping
+from dpfl_lightning.plugins.dpsgd import DPSGD
 from dpfl_lightning.plugins.gaussian_noise import GaussianNoise
 from dpfl_lightning.plugins.normalization import UpdateNormalization
 from dpfl_lightning.plugins.sensitivity import SensitivityBound
@@ -10,6 +11,7 @@ from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
 __all__ = [
     "Aggregate",
     "ClientUpdate",
+    "DPSGD",
     "FederatedCallback",
     "GaussianNoise",
     "SensitivityBound",

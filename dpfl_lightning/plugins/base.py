@@ -74,6 +74,11 @@ class FederatedCallback:
     #: names of per-client scalars this plugin writes into ``ClientUpdate.scalars``
     aggregated_scalars: tuple[str, ...] = ()
 
+    def configure_model(self, *, trainer: FederatedTrainer, model: Any) -> Any:
+        """Before the module is laid out over its flat buffer: return the model to train (the
+        given one, or a replacement such as a DP-compatible copy)."""
+        return model
+
     def setup(self, *, trainer: FederatedTrainer, module: FederatedLightningModule) -> None:
         """Once, after the module is on its device and before the first round; validate here."""
 
@@ -97,6 +102,11 @@ class FederatedCallback:
         self, *, trainer: FederatedTrainer, client: int, optimizer: torch.optim.Optimizer
     ) -> None:
         """Gradients of one local step are ready; a plugin may change them (control variates)."""
+
+    def wrap_optimizer(self, *, trainer: FederatedTrainer, client: int, round_idx: int,
+                       optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Each client's fresh local optimizer passes through here (DP-SGD wraps it)."""
+        return optimizer
 
     def on_client_end(self, *, trainer: FederatedTrainer, result: ClientUpdate) -> None:
         """The client finished; modify ``result.update`` in place (clip, normalize, local noise)."""

@@ -47,7 +47,9 @@ class Mechanism:
             ``sensitivity = 1``).
         sensitivity: the L2 bound ``C`` of one unit's contribution.
         steps_per_round: compositions per round a client takes part in (DP-SGD's local steps).
-        record_sampling_rate: DP-SGD's Poisson sampling rate of records within a client.
+        record_sampling: DP-SGD's batch sampling: ``poisson`` or ``fixed`` (without replacement).
+        profiles: record-level only: ``(records n, sampling rate, steps per round, clients)`` for
+            each group of clients that share them (their datasets differ in size).
     """
 
     source: str
@@ -56,7 +58,8 @@ class Mechanism:
     std: float
     sensitivity: float
     steps_per_round: int = 1
-    record_sampling_rate: float | None = None
+    record_sampling: str = "poisson"
+    profiles: tuple[tuple[int, float, int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         require(self.granularity in GRANULARITIES, "granularity", self.granularity, "unknown", f"use {GRANULARITIES}")
@@ -65,28 +68,55 @@ class Mechanism:
 
 
 @dataclass(frozen=True)
+class Profile:
+    """One accounted release and how many times a participation composes it; ``clients`` is
+    ``None`` for every client."""
+
+    release: GaussianRelease
+    steps_per_round: int
+    clients: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Guarantee:
-    """A release composed per round (``per_client=False``) or per participation of a client."""
+    """Releases composed per round (``per_client=False``) or per participation of a client."""
 
     name: str
     description: str
-    release: GaussianRelease
+    profiles: tuple[Profile, ...]
     per_client: bool
-    steps_per_round: int
     granularity: str
+
+    @property
+    def release(self) -> GaussianRelease:
+        return self.profiles[0].release
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.profiles[0].steps_per_round
+
+
+def _record_release(mech: Mechanism, n: int, rate: float) -> GaussianRelease:
+    z = mech.std / mech.sensitivity
+    if rate >= 1:
+        return GaussianRelease(z, "none", 1.0, "add_remove")
+    if mech.record_sampling == "poisson":
+        return GaussianRelease(z, "poisson", rate, "add_remove")
+    # fixed-size batches: replacing one record moves the clipped sum by up to 2C
+    return GaussianRelease(z / 2, "without_replacement", relation="replace_one", population=n,
+                           sample_size=round(rate * n))
 
 
 def guarantee(mech: Mechanism, sampler: ClientSampler) -> Guarantee:
     """The accounted release of ``mech`` under the trainer's client sampling (see module table)."""
     if mech.granularity == "record":
-        release = GaussianRelease(mech.std / mech.sensitivity, "poisson" if (mech.record_sampling_rate or 1) < 1 else "none",
-                                  mech.record_sampling_rate or 1.0, "add_remove")
-        return Guarantee("record", "record-level DP of each client's updates, towards the server", release, True,
-                         mech.steps_per_round, "record")
+        profiles = tuple(Profile(_record_release(mech, n, rate), steps, clients) for n, rate, steps, clients in mech.profiles)
+        return Guarantee("record", f"record-level DP ({mech.source}) of each client's updates, towards the server",
+                         profiles, True, "record")
     if mech.placement == "local":
         release = GaussianRelease(mech.std / (2 * mech.sensitivity), "none", 1.0, "replace_one")
-        return Guarantee("client_local", "client-level local DP, towards the server", release, True,
-                         mech.steps_per_round, "client")
+        return Guarantee("client_local", "client-level local DP, towards the server", (Profile(release, mech.steps_per_round),),
+                         True, "client")
     if sampler.kind == "poisson":
         release = GaussianRelease(mech.std / mech.sensitivity, "poisson", sampler.rate, "add_remove")
     elif sampler.kind == "uniform" and sampler.clients_per_round < sampler.num_clients:
@@ -96,8 +126,8 @@ def guarantee(mech: Mechanism, sampler: ClientSampler) -> Guarantee:
         release = GaussianRelease(mech.std / mech.sensitivity, "none", 1.0, "add_remove")
     who = ("anyone who sees the models (trusted aggregator)" if mech.placement == "central"
            else "anyone incl. the server, assuming secure aggregation")
-    return Guarantee(f"client_{mech.placement}", f"client-level DP, {mech.placement} noise, towards {who}", release,
-                     False, mech.steps_per_round, "client")
+    return Guarantee(f"client_{mech.placement}", f"client-level DP, {mech.placement} noise, towards {who}",
+                     (Profile(release, mech.steps_per_round),), False, "client")
 
 
 def default_delta(n: int) -> float:

@@ -90,26 +90,42 @@ class PrivacyLedger(FederatedCallback):
         return min(data.client_num_samples(c) for c in range(data.num_clients))
 
     # ------------------------------------------------------------------ epsilon
-    def _eps(self, index: int, compositions: int) -> float:
-        key = (index, compositions)
+    def _eps(self, index: int, profile: int, compositions: int) -> float:
+        key = (index, profile, compositions)
         if key not in self._cache:
             g = self.guarantees[index]
-            res = epsilon(g.release, compositions, self.delta, self.accountant, self.pld_discretization)
+            res = epsilon(g.profiles[profile].release, compositions, self.delta, self.accountant, self.pld_discretization)
             if res.note:
                 self.method_notes[g.name] = res.note
             self._cache[key] = res.epsilon
         return self._cache[key]
 
+    def _guarantee_eps(self, index: int, rounds: int, counts: np.ndarray) -> float:
+        g = self.guarantees[index]
+        if not g.per_client:
+            return self._eps(index, 0, rounds * g.steps_per_round)
+        worst = 0.0  # the busiest client of each profile is its worst case
+        for k, p in enumerate(g.profiles):
+            n = int(counts.max() if p.clients is None else counts[list(p.clients)].max())
+            worst = max(worst, self._eps(index, k, n * p.steps_per_round))
+        return worst
+
     def epsilons(self, rounds: int | None = None, counts: np.ndarray | None = None) -> dict[str, float]:
         """Epsilon of every guarantee after ``rounds`` rounds with participation ``counts``
-        (default: what the ledger has recorded)."""
+        (default: what the ledger has recorded); per-client guarantees report the worst client."""
         rounds = self.rounds if rounds is None else rounds
         counts = self.counts if counts is None else counts
-        out = {}
-        for i, g in enumerate(self.guarantees):
-            n = int(counts.max()) if g.per_client and counts is not None and len(counts) else rounds
-            out[g.name] = self._eps(i, n * g.steps_per_round)
-        return out
+        return {g.name: self._guarantee_eps(i, rounds, counts) for i, g in enumerate(self.guarantees)}
+
+    def client_epsilon(self, client: int, name: str | None = None) -> float:
+        """Epsilon of one client under a per-client guarantee (its own participations)."""
+        index = next(i for i, g in enumerate(self.guarantees) if g.name == (name or self.main))
+        g = self.guarantees[index]
+        for k, p in enumerate(g.profiles):
+            if p.clients is None or client in p.clients:
+                n = int(self.counts[client]) if g.per_client else self.rounds
+                return self._eps(index, k, n * p.steps_per_round)
+        raise KeyError(client)
 
     def planned_epsilons(self, trainer, rounds: int) -> dict[str, float]:
         """What the ledger will report after ``rounds`` rounds from the start (cohorts are keyed

@@ -1,0 +1,198 @@
+"""DPSGD: record-level DP inside every client, with Opacus (paper 004 Alg. 1; paper 001's clients).
+
+Each local step clips every record's gradient to L2 norm ``max_grad_norm`` (``C``), sums them, adds
+``N(0, (z C)^2 I)`` and divides by the expected batch size (Abadi et al. 2016) -- Opacus's
+``DPOptimizer``, created fresh for every client around the module's own optimizer. Per-record
+gradients come from one Opacus ``GradSampleModule`` wrapped around the rank's model once; the
+module's own ``training_step`` keeps running unchanged (Opacus's hooks sit on the layers).
+
+Sensitivity and threat model: neighbouring datasets differ in one record of one client
+(add/remove for Poisson batches, replace-one for fixed-size batches). The clipped sum of a batch
+changes by at most ``C`` (add/remove) or ``2C`` (replace-one). The guarantee is towards the server
+(and anyone who sees the client's updates): per client, the composition of every local step of
+every round it took part in. Client sampling gives no amplification towards the server, who knows
+who took part. Batches are drawn independently every step -- Poisson with rate ``B / n`` or ``B``
+records without replacement -- so the accounted sampling is the one that happens.
+
+Noise draws are keyed by (seed, round, client), so results do not depend on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dpfl_lightning import rng
+from dpfl_lightning.data.module import record_sampling_rate
+from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.plugins.base import FederatedCallback
+
+RECORD_NOISE = rng.PLUGIN + 1
+
+
+def _unsupported_layers(model: torch.nn.Module) -> list[str]:
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(model, strict=False)
+    return [str(e) for e in errors]
+
+
+def _replacements(before: torch.nn.Module, after: torch.nn.Module) -> list[str]:
+    old = {n: type(m).__name__ for n, m in before.named_modules()}
+    return [f"{n or 'model'}: {old.get(n)} -> {type(m).__name__}" for n, m in after.named_modules()
+            if n in old and old[n] != type(m).__name__]
+
+
+class DPSGD(FederatedCallback):
+    """Train every client with DP-SGD (Opacus).
+
+    Args:
+        noise_multiplier: ``z``; the noise on a batch's clipped sum has std ``z * max_grad_norm``.
+        max_grad_norm: the per-record clipping bound ``C``.
+        target_epsilon / delta: instead of ``z``: calibrate it before training so that the worst
+            client's record-level epsilon after the whole run is at most the target
+            (``delta`` defaults to a power of ten below ``0.1 / n`` for the smallest client's ``n``).
+        sampling: ``poisson`` (each record in a batch with probability ``B/n``; Opacus's default)
+            or ``fixed`` (``B`` records without replacement per batch).
+        fix_model: replace layers Opacus cannot handle (BatchNorm -> GroupNorm, ...) with
+            ``opacus.validators.ModuleValidator.fix`` instead of failing; the replacements are listed.
+        loss_reduction: how the module's loss reduces over a batch (``mean`` or ``sum``).
+        accountant: for calibration (``rdp``, ``pld``, ``prv``).
+        secure_mode: Opacus's cryptographically safe noise (slower; not keyed, so not reproducible).
+    """
+
+    order = 40
+
+    def __init__(self, noise_multiplier: float | None = None, max_grad_norm: float = 1.0,
+                 target_epsilon: float | None = None, delta: float | None = None, sampling: str = "poisson",
+                 fix_model: bool = False, loss_reduction: str = "mean", accountant: str = "rdp",
+                 secure_mode: bool = False) -> None:
+        require((noise_multiplier is None) != (target_epsilon is None), "DPSGD",
+                {"noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon},
+                "exactly one of noise_multiplier and target_epsilon must be set",
+                "pass noise_multiplier=... or target_epsilon=... (with delta)")
+        if noise_multiplier is not None:
+            require(math.isfinite(noise_multiplier) and noise_multiplier >= 0, "DPSGD.noise_multiplier",
+                    noise_multiplier, "must be a finite number >= 0", "set noise_multiplier >= 0")
+        if target_epsilon is not None:
+            require(math.isfinite(target_epsilon) and target_epsilon > 0, "DPSGD.target_epsilon", target_epsilon,
+                    "must be a finite number > 0", "set a positive epsilon")
+        require(math.isfinite(max_grad_norm) and max_grad_norm > 0, "DPSGD.max_grad_norm", max_grad_norm,
+                "the clipping bound C must be a finite number > 0", "set max_grad_norm, e.g. 1.0")
+        require(delta is None or 0 < delta < 1, "DPSGD.delta", delta, "must be in (0, 1)", "set delta well below 1/n")
+        require(sampling in ("poisson", "fixed"), "DPSGD.sampling", sampling, "unknown batch sampling",
+                "use 'poisson' or 'fixed'")
+        require(loss_reduction in ("mean", "sum"), "DPSGD.loss_reduction", loss_reduction, "unknown reduction",
+                "use 'mean' or 'sum'")
+        self.noise_multiplier = noise_multiplier
+        self.max_grad_norm = float(max_grad_norm)
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.sampling = sampling
+        self.fix_model = fix_model
+        self.loss_reduction = loss_reduction
+        self.accountant = accountant
+        self.secure_mode = secure_mode
+        self.replaced: list[str] = []
+        self._grad_sample_module = None
+
+    # ------------------------------------------------------------------ set-up
+    def configure_model(self, *, trainer, model: Any) -> Any:
+        problems = _unsupported_layers(model)
+        if not problems:
+            return model
+        if not self.fix_model:
+            raise ConfigError("DPSGD", type(model).__name__,
+                              f"Opacus cannot compute per-record gradients for this model: {'; '.join(problems)}",
+                              "set DPSGD(fix_model=True) to replace those layers (BatchNorm -> GroupNorm), "
+                              "or change the model")
+        from opacus.validators import ModuleValidator
+
+        fixed = ModuleValidator.fix(model)
+        self.replaced = _replacements(model, fixed)
+        left = _unsupported_layers(fixed)
+        if left:
+            raise ConfigError("DPSGD.fix_model", True, f"layers remain that Opacus cannot handle: {'; '.join(left)}",
+                              "change the model")
+        if trainer.is_global_zero and trainer.enable_summary:
+            print(f"DPSGD(fix_model=True) replaced: {', '.join(self.replaced)}", flush=True)
+        return fixed
+
+    def setup(self, *, trainer, module) -> None:
+        require(trainer.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
+                "set trainer.batch_size (the expected batch size B)")
+        trainer.batch_sampling = self.sampling
+        self._profiles = self._client_profiles(trainer)
+        if self.target_epsilon is not None:
+            self.noise_multiplier = self._calibrate(trainer)
+        if module is not None:
+            import warnings
+
+            from opacus import GradSampleModule
+
+            # Opacus's full backward hooks fire on outputs when inputs need no gradient: expected here.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+            # Hooks on the layers: the module's own training_step computes per-record gradients.
+            self._grad_sample_module = GradSampleModule(module.inner, strict=False, loss_reduction=self.loss_reduction)
+
+    def _client_profiles(self, trainer) -> tuple[tuple[int, float, int, tuple[int, ...]], ...]:
+        """Group clients by dataset size: ``(n, rate, steps per round, clients)``."""
+        data, B = trainer.data, trainer.batch_size
+        groups: dict[int, list[int]] = {}
+        for c in range(data.num_clients):
+            groups.setdefault(data.client_num_samples(c), []).append(c)
+        out = []
+        for n, clients in sorted(groups.items()):
+            steps = trainer.local_steps if trainer.local_steps is not None else (trainer.local_epochs or 1) * math.ceil(n / min(B, n))
+            out.append((n, record_sampling_rate(n, B), steps, tuple(clients)))
+        return tuple(out)
+
+    def _calibrate(self, trainer) -> float:
+        import numpy as np
+
+        from dpfl_lightning.privacy.calibrate import calibrate_release
+        from dpfl_lightning.privacy.events import default_delta, guarantee
+
+        if self.delta is None:
+            self.delta = default_delta(min(n for n, *_ in self._profiles))
+        counts = np.zeros(trainer.data.num_clients, dtype=np.int64)
+        for r in range(trainer.rounds):
+            counts[trainer.sampler.sample(trainer.seed, r)] += 1
+        g = guarantee(self._mechanism(1.0), trainer.sampler)
+        z = 0.0
+        for p in g.profiles:  # the noise must cover the worst client of every profile
+            busiest = int(counts[list(p.clients)].max())
+            if busiest == 0:
+                continue
+            z_rel = calibrate_release(p.release, self.target_epsilon, self.delta, busiest * p.steps_per_round,
+                                      self.accountant)
+            z = max(z, z_rel / p.release.noise_multiplier)
+        return z
+
+    def _mechanism(self, z: float):
+        from dpfl_lightning.privacy.events import Mechanism
+
+        return Mechanism("DP-SGD", "record", "local", z, 1.0, record_sampling=self.sampling, profiles=self._profiles)
+
+    def privacy_mechanism(self, *, trainer):
+        return self._mechanism(self.noise_multiplier)
+
+    # ------------------------------------------------------------------ per client
+    def wrap_optimizer(self, *, trainer, client: int, round_idx: int, optimizer: torch.optim.Optimizer):
+        from opacus.optimizers import DPOptimizer
+
+        n = trainer.data.client_num_samples(client)
+        expected = n * record_sampling_rate(n, trainer.batch_size)
+        device = next(iter(optimizer.param_groups[0]["params"])).device
+        generator = None if self.secure_mode else rng.generator(trainer.seed, round_idx, client, RECORD_NOISE, device)
+        return DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+                           expected_batch_size=expected, loss_reduction=self.loss_reduction, generator=generator,
+                           secure_mode=self.secure_mode)
+
+    def on_fit_end(self, *, trainer) -> None:
+        if self._grad_sample_module is not None:
+            self._grad_sample_module.cleanup()  # remove Opacus hooks and attributes from the model
+            self._grad_sample_module = None

@@ -1,0 +1,179 @@
+"""DP-SGD inside clients (Opacus): per-record gradients, clipping, noise scale, accounting, models
+Opacus cannot handle, empty Poisson batches."""
+
+import math
+
+import dp_accounting
+import pytest
+import torch
+import torch.nn.functional as F
+from dp_accounting import rdp as dp_rdp
+from torch import nn
+
+from dpfl_lightning import ConfigError
+from dpfl_lightning.algorithms import PFL
+from dpfl_lightning.plugins import DPSGD
+from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.privacy.ledger import PrivacyLedger
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+
+class BatchKeeper(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        self.last_batch = batch
+        return super().training_step(batch, batch_idx)
+
+
+class GradSampleSpy(FederatedCallback):
+    """Reads Opacus's per-record gradients at every local step (before clipping)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_before_optimizer_step(self, *, trainer, client, optimizer):
+        model = trainer.module.inner
+        self.seen.append(([p.grad_sample.detach().clone() for p in model.parameters()],
+                          [t.clone() for t in model.last_batch], [p.detach().clone() for p in model.parameters()]))
+
+
+def test_per_record_gradients_equal_a_per_example_loop(log_dir):
+    spy = GradSampleSpy()
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=5, local_steps=2,
+                            plugins=[DPSGD(noise_multiplier=0.5, max_grad_norm=1.0), spy])
+    trainer.fit(BatchKeeper(), tiny_data(num_clients=4, samples=20))
+    assert len(spy.seen) == 4
+    ref = TinyClassifier()
+    for grad_samples, (x, y), params in spy.seen:
+        assert grad_samples[0].shape[0] == x.shape[0]
+        with torch.no_grad():
+            for p, v in zip(ref.parameters(), params):
+                p.copy_(v)
+        for i in range(x.shape[0]):
+            ref.zero_grad()
+            F.cross_entropy(ref(x[i : i + 1]), y[i : i + 1]).backward()
+            for p, gs in zip(ref.parameters(), grad_samples):
+                assert torch.allclose(p.grad, gs[i], atol=1e-6)
+
+
+def test_clipping_bounds_every_record_and_the_update_is_the_clipped_mean(log_dir):
+    spy = GradSampleSpy()
+    C, B = 0.05, 5
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=B, local_steps=1,
+                            plugins=[DPSGD(noise_multiplier=0.0, max_grad_norm=C), spy])
+    model = BatchKeeper(lr=1.0)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    trainer.fit(model, tiny_data(num_clients=2, samples=20))
+    (grad_samples, (x, _), _), = spy.seen
+    flat = torch.cat([g.reshape(g.shape[0], -1) for g in grad_samples], dim=1).double()
+    norms = flat.norm(dim=1)
+    assert (norms > C).all()  # every record would exceed the bound unclipped
+    clipped = flat * (C / (norms + 1e-6)).clamp(max=1.0)[:, None]  # Opacus's clipping rule
+    assert (clipped.norm(dim=1) <= C).all()
+    step = before.double() - trainer.module.global_params.double()  # SGD lr 1, noise 0
+    expected = clipped.sum(0) / B  # divided by the expected batch size (here n * rate = B)
+    assert torch.allclose(step, expected, atol=1e-6)
+    assert step.norm() <= C * x.shape[0] / B + 1e-6
+
+
+class ZeroGrad(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return 0.0 * self(x).sum()  # every per-record gradient is 0: the update is the noise
+
+
+def test_noise_on_the_summed_gradient_has_std_z_times_C(log_dir):
+    z, C, B, steps = 0.8, 2.0, 4, 3
+    model = ZeroGrad(in_features=200, lr=1.0)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()]).double()
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=4, batch_size=B, local_steps=steps,
+                            plugins=[DPSGD(noise_multiplier=z, max_grad_norm=C)])
+    fm = trainer.fit(model, tiny_data(num_clients=4, samples=20, dim=200))
+    # each client: sum of `steps` noise draws N(0, (zC)^2) / B; FedAvg averages the 4 clients
+    moved = (fm.global_params.double() - before) * B * math.sqrt(4) / math.sqrt(steps)
+    assert moved.numel() > 3000
+    assert moved.std().item() == pytest.approx(z * C, rel=0.05)  # 13.5k draws: rel. s.e. 0.6%
+
+
+def test_ledger_epsilon_per_client_equals_dp_accounting(log_dir):
+    z, B = 1.1, 4
+    ledger = PrivacyLedger(delta=1e-4)
+    trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=3, batch_size=B, local_epochs=1,
+                            plugins=[DPSGD(noise_multiplier=z), ledger])
+    data = tiny_data(num_clients=6, samples=18)
+    trainer.fit(TinyClassifier(), data)
+    n = 18
+    rate, steps = B / n, math.ceil(n / B)
+    for c in range(6):
+        acc = dp_rdp.RdpAccountant()
+        acc.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z)), steps * int(ledger.counts[c])))
+        assert ledger.client_epsilon(c) == acc.get_epsilon(1e-4)
+    assert trainer.history[-1]["epsilon"] == max(ledger.client_epsilon(c) for c in range(6))
+
+
+def test_target_epsilon_for_every_client(log_dir):
+    dpsgd = DPSGD(target_epsilon=2.0, delta=1e-4)
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=3, batch_size=4, plugins=[dpsgd])
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=6, samples=18))
+    assert 2.0 * 0.99 <= trainer.history[-1]["epsilon"] <= 2.0
+
+
+class WithBatchNorm(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def test_batchnorm_is_refused_with_the_layer_named(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)])
+    with pytest.raises(ConfigError, match=r"BatchNorm.*fix_model=True"):
+        trainer.fit(WithBatchNorm(), tiny_data())
+
+
+def test_fix_model_replaces_batchnorm_and_trains(log_dir):
+    dpsgd = DPSGD(noise_multiplier=0.5, fix_model=True)
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=[dpsgd])
+    fm = trainer.fit(WithBatchNorm(), tiny_data())
+    assert any("BatchNorm1d -> GroupNorm" in r for r in dpsgd.replaced)
+    assert not any(isinstance(m, nn.BatchNorm1d) for m in fm.inner.modules())
+    assert math.isfinite(trainer.history[-1]["my_train_loss"])
+
+
+class ActivationWatcher(FederatedCallback):
+    """After evaluation (on_round_end), Opacus must hold no activations: evaluation ran under no_grad."""
+
+    order = 999
+
+    def on_round_end(self, *, trainer, round_idx, metrics):
+        held = [len(getattr(m, "activations", []) or []) for m in trainer.module.inner.modules()]
+        metrics["held_activations"] = float(sum(held))
+
+
+def test_evaluation_builds_no_activations(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0), ActivationWatcher()])
+    trainer.fit(TinyClassifier(), tiny_data())
+    assert [h["held_activations"] for h in trainer.history] == [0.0, 0.0]
+
+
+def test_empty_poisson_batches_are_noise_only_steps(log_dir):
+    # batch 1 of 12 records: each step is empty with probability (11/12)^12 ~ 0.35
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=4, batch_size=1, local_steps=6,
+                            plugins=[DPSGD(noise_multiplier=1.0)])
+    fm = trainer.fit(TinyClassifier(), tiny_data(num_clients=4, samples=12))
+    assert torch.isfinite(fm.global_params).all()
+    assert math.isfinite(trainer.history[-1]["my_train_loss"])
+
+
+def test_dpsgd_refuses_the_vmap_executor(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap", plugins=[DPSGD(noise_multiplier=1.0)])
+    with pytest.raises(ConfigError, match="trainer.executor"):
+        trainer.fit(TinyClassifier(), tiny_data())
+
+
+def test_pfl_preset_checks_e_times_r(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=3, local_epochs=2, algorithm=PFL(noise_multiplier=1.0, total_epochs=4))
+    with pytest.raises(ConfigError, match="total_epochs"):
+        trainer.fit(TinyClassifier(), tiny_data(num_clients=4))
+    ok = quiet_trainer(log_dir, rounds=2, local_epochs=2, algorithm=PFL(noise_multiplier=1.0, total_epochs=4))
+    ok.fit(TinyClassifier(), tiny_data(num_clients=4))
+    assert [type(p).__name__ for p in ok.plugins] == ["DPSGD", "ServerOptimizer", "PrivacyLedger"]

@@ -74,6 +74,13 @@ class LoggedMetrics:
             return
         if prog_bar:
             self.prog_bar.add(name)
+        if type(value) is torch.Tensor and reduce_fx == "mean" and name in self._values:  # the per-step fast path
+            if value.numel() != 1:
+                raise ValueError(f"self.log({name!r}, ...) needs a single-element tensor, got shape {tuple(value.shape)}")
+            weight = float(batch_size if batch_size is not None else self.current_batch_size)
+            if weight:
+                self._values[name].append((value.detach(), weight))
+            return
         if isinstance(value, Metric):
             # The trainer merges ranks itself; a torch.distributed sync inside compute() would wait
             # for ranks that are not evaluating.

@@ -22,7 +22,6 @@ optimizer step pre-hooks.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -52,6 +51,8 @@ def is_overridden(module: nn.Module, name: str) -> bool:
 
 
 def batch_size_of(batch: Batch) -> int:
+    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
+        return batch[0].shape[0]  # the common case, without recursion
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
     if isinstance(batch, (list, tuple)) and batch:
@@ -69,6 +70,10 @@ def _move(batch: Batch, device: torch.device) -> Batch:
     if isinstance(batch, dict):
         return {k: _move(v, device) for k, v in batch.items()}
     return batch
+
+
+_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "optimizer_step", "on_before_zero_grad",
+               "optimizer_zero_grad", "on_before_backward", "backward", "on_after_backward", "on_before_optimizer_step")
 
 
 @dataclass
@@ -219,12 +224,13 @@ class FederatedLightningModule:
         shim.is_global_zero = rank == 0
         shim.device = device
         m.fabric = shim  # LightningModule stores a weakref proxy; self._shim keeps it alive
-        m.log = types.MethodType(lambda _self, *a, **k: self.logged.log(*a, **k), m)
-        m.log_dict = types.MethodType(lambda _self, *a, **k: self.logged.log_dict(*a, **k), m)
+        m.log = self.logged.log  # instance attributes shadow LightningModule.log / log_dict
+        m.log_dict = self.logged.log_dict
         self._automatic = bool(getattr(m, "automatic_optimization", True))
         self._transfer_hooks = any(
             is_overridden(m, h) for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
         )
+        self._overridden = {h: is_overridden(m, h) for h in _STEP_HOOKS}
         self._has_val = is_overridden(m, "validation_step")
         self._has_test = is_overridden(m, "test_step")
         self._ready = True
@@ -276,7 +282,7 @@ class FederatedLightningModule:
     def _transfer(self, batch: Batch) -> Batch:
         m = self.inner
         if not self._transfer_hooks:
-            return _move(batch, self.device)
+            return batch if self.device.type == "cpu" else _move(batch, self.device)
         batch = m.on_before_batch_transfer(batch, 0)
         batch = m.transfer_batch_to_device(batch, self.device, 0)
         return m.on_after_batch_transfer(batch, 0)
@@ -324,27 +330,38 @@ class FederatedLightningModule:
                 handles.append(opt.register_step_pre_hook(_pre_hook(before_optimizer_step, m)))
         steps = samples = 0
         epoch_now = None
+        transfer = self._transfer_hooks or self.device.type != "cpu"
+        logged = self.logged
+        ov = self._overridden
+        closure = _Closure(m, opts[0], before_optimizer_step, ov) if self._automatic else None
         try:
             for epoch, batch_idx, batch in batches:
-                if epoch_now is not None and epoch != epoch_now:
-                    _step_schedulers(scheds, "epoch", epoch_now + 1)
-                epoch_now = epoch
-                batch = self._transfer(batch)
+                if epoch != epoch_now:
+                    if epoch_now is not None and scheds:
+                        _step_schedulers(scheds, "epoch", epoch_now + 1)
+                    epoch_now = epoch
+                if transfer:
+                    batch = self._transfer(batch)
                 n = batch_size_of(batch)
-                self.logged.current_batch_size = n
-                if m.on_train_batch_start(batch, batch_idx) == -1:
+                logged.current_batch_size = n
+                if ov["on_train_batch_start"] and m.on_train_batch_start(batch, batch_idx) == -1:
                     break
-                if self._automatic:
-                    closure = _Closure(m, batch, batch_idx, epoch, opts[0], before_optimizer_step)
-                    m.optimizer_step(epoch, batch_idx, opts[0], closure)
+                if closure is not None:
+                    closure.batch, closure.batch_idx, closure.epoch = batch, batch_idx, epoch
+                    if ov["optimizer_step"]:
+                        m.optimizer_step(epoch, batch_idx, opts[0], closure)
+                    else:
+                        opts[0].step(closure=closure)
                     out = closure.output
                 else:
                     out = m.training_step(batch, batch_idx)
-                m.on_train_batch_end(out, batch, batch_idx)
+                if ov["on_train_batch_end"]:
+                    m.on_train_batch_end(out, batch, batch_idx)
                 steps += 1
                 samples += n
-                shim.global_step += 1
-                _step_schedulers(scheds, "step", steps)
+                if scheds:
+                    _step_schedulers(scheds, "step", steps)
+            shim.global_step += steps
         finally:
             for h in handles:
                 h.remove()
@@ -373,29 +390,47 @@ class FederatedLightningModule:
 
 
 class _Closure:
-    """``training_step`` + zero-grad + backward, then the before-optimizer-step hooks."""
+    """``training_step`` + zero-grad + backward, then the before-optimizer-step hooks (one object
+    per client; the loop sets ``batch``, ``batch_idx`` and ``epoch`` before every step).
 
-    def __init__(self, m: nn.Module, batch: Batch, batch_idx: int, epoch: int,
-                 opt: torch.optim.Optimizer, before_step: StepHook | None) -> None:
-        self.m, self.batch, self.batch_idx, self.epoch, self.opt = m, batch, batch_idx, epoch, opt
+    Hooks the module does not override are Lightning's no-ops, and Lightning's default
+    ``optimizer_zero_grad`` / ``backward`` are ``optimizer.zero_grad()`` / ``loss.backward()``:
+    those are called directly, which saves ~10 us per step on small models."""
+
+    def __init__(self, m: nn.Module, opt: torch.optim.Optimizer, before_step: StepHook | None,
+                 overridden: dict[str, bool]) -> None:
+        self.m, self.opt = m, opt
+        self.batch: Batch = None
+        self.batch_idx = self.epoch = 0
         self.before_step = before_step
         self.output: Any = None
+        self.ov = overridden
 
     def __call__(self) -> torch.Tensor | None:
-        m, opt = self.m, self.opt
+        m, opt, ov = self.m, self.opt, self.ov
         with torch.enable_grad():
             out = m.training_step(self.batch, self.batch_idx)
             self.output = out
             loss = out["loss"] if isinstance(out, dict) else out
-            m.on_before_zero_grad(opt)
-            m.optimizer_zero_grad(self.epoch, self.batch_idx, opt)
+            if ov["on_before_zero_grad"]:
+                m.on_before_zero_grad(opt)
+            if ov["optimizer_zero_grad"]:
+                m.optimizer_zero_grad(self.epoch, self.batch_idx, opt)
+            else:
+                opt.zero_grad()
             if loss is not None:
-                m.on_before_backward(loss)
-                m.backward(loss)
-                m.on_after_backward()
+                if ov["on_before_backward"]:
+                    m.on_before_backward(loss)
+                if ov["backward"]:
+                    m.backward(loss)
+                else:
+                    loss.backward()
+                if ov["on_after_backward"]:
+                    m.on_after_backward()
         if self.before_step is not None:
             self.before_step(opt)
-        m.on_before_optimizer_step(opt)
+        if ov["on_before_optimizer_step"]:
+            m.on_before_optimizer_step(opt)
         return loss
 
 

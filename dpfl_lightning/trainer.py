@@ -427,23 +427,26 @@ class FederatedTrainer:
         runs = self.executor.train(self, mine, r, rows)
         train_logs = module.logged.results()
 
-        extra_rows = []
+        results = []
         for k, (client, run) in enumerate(zip(mine, runs)):
             row = rows[k]
             if self.normalize_update_by_lr:
                 row.div_(run.lr)
             result = ClientUpdate(client, r, row, run.samples, run.steps, run.lr)
             self.call_hook("on_client_end", result=result)
-            # NaN/inf survive clipping, normalization and noise, so one check after the plugins
-            # catches a non-finite raw update as well as a non-finite processed one.
-            finite = bool(torch.isfinite(row).all())
-            weight = float(run.samples) if self.weighting == "samples" else 1.0
-            if not finite:
-                row.zero_()  # never reaches the global model
+            results.append(result)
+        # NaN/inf survive clipping, normalization and noise, so one check after the plugins catches
+        # a non-finite raw update as well as a non-finite processed one (one pass over all rows).
+        finite = torch.isfinite(rows).all(dim=1).tolist() if len(mine) else []
+        extra_rows = []
+        for k, (result, ok) in enumerate(zip(results, finite)):
+            weight = float(result.num_samples) if self.weighting == "samples" else 1.0
+            if not ok:
+                rows[k].zero_()  # never reaches the global model
                 result.scalars = {}
             elif weight != 1.0:
-                row.mul_(weight)
-            scalars = {"weight": weight, "nonfinite": 0.0 if finite else 1.0, **result.scalars}
+                rows[k].mul_(weight)
+            scalars = {"weight": weight, "nonfinite": 0.0 if ok else 1.0, **result.scalars}
             extra_rows.append([scalars.get(n, 0.0) for n in self._scalar_names])
         extras = torch.tensor(extra_rows, dtype=torch.float64).reshape(len(mine), len(self._scalar_names)).to(self.device)
 

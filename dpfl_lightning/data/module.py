@@ -240,12 +240,18 @@ class FederatedDataModule:
             return
         shuffle = bs < n
         step = epoch = 0
+        tensors = self._train_tensors
+        on_cpu = idx.device.type == "cpu"
         while True:
-            if self._train_tensors is not None:
-                order = idx[torch.randperm(n, generator=generator).to(idx.device)] if shuffle else idx
+            if tensors is not None:
+                if shuffle:
+                    perm = torch.randperm(n, generator=generator)
+                    order = idx[perm if on_cpu else perm.to(idx.device)]
+                else:
+                    order = idx
                 for b in range(per_epoch):
                     sel = order[b * bs : (b + 1) * bs]
-                    yield epoch, b, tuple(t[sel] for t in self._train_tensors)
+                    yield epoch, b, tuple([t[sel] for t in tensors])
                     step += 1
                     if steps is not None and step >= steps:
                         return

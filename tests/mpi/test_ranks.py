@@ -68,3 +68,18 @@ def test_only_rank_zero_logs(shared_tmp, comm):
     comm.Barrier()
     assert len(files) == 1
     assert hasattr(trainer, "csv_log_dir") == (comm.Get_rank() == 0)
+
+
+def test_dpsgd_two_ranks_bit_identical_to_one(shared_tmp, comm):
+    from dpfl_lightning.plugins import DPSGD
+
+    def fit(log_dir, communicator):
+        trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=5, communicator=communicator, seed=9,
+                                plugins=[DPSGD(noise_multiplier=0.9, max_grad_norm=0.7)])
+        return trainer, trainer.fit(TinyClassifier(), tiny_data(num_clients=10, samples=16))
+
+    two, m2 = fit(os.path.join(shared_tmp, "dpsgd2"), "auto")
+    one, m1 = fit(os.path.join(shared_tmp, f"dpsgd1-{comm.Get_rank()}"), "local")
+    assert two.world_size == 2
+    assert torch.equal(m2.global_params, m1.global_params)
+    assert [h["epsilon"] for h in two.history] == [h["epsilon"] for h in one.history]

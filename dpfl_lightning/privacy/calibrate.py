@@ -128,19 +128,23 @@ def max_steps(noise_multiplier: float, target_epsilon: float, delta: float, samp
         sampling = "poisson" if sampling_rate < 1 else "none"
     release = GaussianRelease(noise_multiplier, sampling, sampling_rate, relation, population, sample_size)
 
-    def eps(t: int) -> float:
-        return epsilon(release, t, delta, accountant).epsilon
+    return largest_within(lambda t: epsilon(release, t, delta, accountant).epsilon, target_epsilon, limit)
 
-    if eps(1) > target_epsilon:
+
+def largest_within(eps_of: Callable[[int], float], target: float, cap: int) -> int:
+    """Largest integer ``t <= cap`` with ``eps_of(t) <= target`` for a non-decreasing ``eps_of``
+    (0 if even ``t = 1`` exceeds it): doubling to bracket ``eps(lo) <= target < eps(hi)``, then
+    bisection."""
+    if eps_of(1) > target:
         return 0
     lo, hi = 1, 2
-    while hi <= limit and eps(hi) <= target_epsilon:
-        lo, hi = hi, hi * 2
-    if hi > limit:
-        return limit
-    while hi - lo > 1:  # eps(lo) <= target < eps(hi)
+    while eps_of(hi) <= target:
+        if hi >= cap:
+            return cap
+        lo, hi = hi, min(2 * hi, cap)
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        if eps(mid) <= target_epsilon:
+        if eps_of(mid) <= target:
             lo = mid
         else:
             hi = mid

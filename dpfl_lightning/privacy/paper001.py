@@ -102,7 +102,6 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Callable
 
 import dp_accounting
 import numpy as np
@@ -111,6 +110,7 @@ from scipy import special
 
 from dpfl_lightning.errors import require
 from dpfl_lightning.privacy.accountants import GaussianRelease, rdp_curve
+from dpfl_lightning.privacy.calibrate import largest_within
 
 MAX_ORDER = 256  # integer RDP orders 2..MAX_ORDER (the authors' script: 2..100)
 T_CAP = 10**9  # max_rounds never searches past this
@@ -282,25 +282,6 @@ def paper_epsilon(sigma_g: float, K: int, T: int, l: float, s: float, R: int, M:
 # ---------------------------------------------------------------------------------------------
 # Largest T under a target
 # ---------------------------------------------------------------------------------------------
-def _largest_t(eps_of_t: Callable[[int], float], target: float, t_cap: int = T_CAP) -> int:
-    """Largest integer ``T <= t_cap`` with ``eps_of_t(T) <= target`` for a non-decreasing
-    ``eps_of_t``: doubling to bracket ``eps(lo) <= target < eps(hi)``, then bisection."""
-    if eps_of_t(1) > target:
-        return 0
-    lo, hi = 1, 2
-    while eps_of_t(hi) <= target:
-        if hi >= t_cap:
-            return t_cap
-        lo, hi = hi, min(2 * hi, t_cap)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if eps_of_t(mid) <= target:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def max_rounds(target_epsilon: float, sigma_g: float, K: int, l: float, s: float, R: int, M: int,
                delta: float | None = None) -> int:
     """Largest ``T`` with :func:`paper_epsilon` ``<= target_epsilon`` (0 if even one round exceeds it).
@@ -312,7 +293,7 @@ def max_rounds(target_epsilon: float, sigma_g: float, K: int, l: float, s: float
     _check_target(target_epsilon)
     _check_run(sigma_g, K, l, s, R, M)
     delta = _resolve_delta(delta, R, M)
-    return _largest_t(lambda t: paper_epsilon(sigma_g, K, t, l, s, R, M, delta), target_epsilon)
+    return largest_within(lambda t: paper_epsilon(sigma_g, K, t, l, s, R, M, delta), target_epsilon, T_CAP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,5 +362,5 @@ def modern_max_rounds(target_epsilon: float, sigma_g: float, K: int, l: float, s
     delta = _resolve_delta(delta, R, M)
     require(method in MODERN_METHODS, "method", method, "unknown modern accountant", f"use one of {MODERN_METHODS}")
     modern_noise_multiplier(sigma_g, l, M, noise_view)  # validates noise_view
-    return _largest_t(lambda t: modern_epsilon(sigma_g, K, t, l, s, R, M, delta, method, noise_view),
-                      target_epsilon)
+    return largest_within(lambda t: modern_epsilon(sigma_g, K, t, l, s, R, M, delta, method, noise_view),
+                          target_epsilon, T_CAP)

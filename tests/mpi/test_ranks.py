@@ -83,3 +83,14 @@ def test_dpsgd_two_ranks_bit_identical_to_one(shared_tmp, comm):
     assert two.world_size == 2
     assert torch.equal(m2.global_params, m1.global_params)
     assert [h["epsilon"] for h in two.history] == [h["epsilon"] for h in one.history]
+
+
+def test_vmap_executor_two_ranks_bit_identical_to_one(shared_tmp, comm):
+    def fit(log_dir, communicator):
+        trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=7, communicator=communicator, seed=2,
+                                executor="vmap", plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.3)])
+        return trainer.fit(TinyClassifier(), tiny_data(num_clients=15))
+
+    two = fit(os.path.join(shared_tmp, "vmap2"), "auto")
+    one = fit(os.path.join(shared_tmp, f"vmap1-{comm.Get_rank()}"), "local")
+    assert torch.equal(two.global_params, one.global_params)

@@ -1,0 +1,49 @@
+"""Seconds to calibrate a noise multiplier, and to invert it (largest number of rounds).
+
+The reference setting of the privacy issue: 10,000 rounds of Poisson client sampling at q = 0.05,
+target (eps, delta) = (2, 1e-6). Each accountant's answer is checked (never above the target,
+within 1% of it). Best of ``--repeats`` cold runs (caches cleared).
+
+    python benchmarks/calibration_speed.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from dpfl_lightning.privacy import GaussianRelease, calibrate_noise, epsilon, max_steps
+from dpfl_lightning.privacy.accountants import _base_pld, rdp_curve
+
+ROUNDS, Q, EPS, DELTA = 10_000, 0.05, 2.0, 1e-6
+
+
+def _cold() -> None:
+    rdp_curve.cache_clear()
+    _base_pld.cache_clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(f"calibration: {ROUNDS} rounds, Poisson q={Q}, target eps={EPS}, delta={DELTA}")
+    print(f"{'accountant':<11}{'z':>10}{'eps(z)':>10}{'calibrate s':>13}{'max_steps s':>13}")
+    for acc in ("rdp", "pld"):
+        best_cal = best_inv = float("inf")
+        for _ in range(args.repeats):
+            _cold()
+            t0 = time.perf_counter()
+            z = calibrate_noise(EPS, DELTA, ROUNDS, Q, accountant=acc)
+            best_cal = min(best_cal, time.perf_counter() - t0)
+            _cold()
+            t0 = time.perf_counter()
+            t = max_steps(z, EPS, DELTA, Q, accountant=acc)
+            best_inv = min(best_inv, time.perf_counter() - t0)
+        achieved = epsilon(GaussianRelease(z, "poisson", Q), ROUNDS, DELTA, acc).epsilon
+        assert EPS * 0.99 <= achieved <= EPS and t >= ROUNDS
+        print(f"{acc:<11}{z:>10.4f}{achieved:>10.4f}{best_cal:>13.3f}{best_inv:>13.3f}")
+
+
+if __name__ == "__main__":
+    main()

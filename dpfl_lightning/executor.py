@@ -65,6 +65,7 @@ class _TrainingStep(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        self.batch_idx = 0
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logged: dict[str, torch.Tensor] = {}
@@ -72,13 +73,17 @@ class _TrainingStep(nn.Module):
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             logged[name] = torch.as_tensor(value).detach().reshape(())
 
+        def log_dict(dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+            for name, value in dictionary.items():
+                log(name, value)
+
         inner = self.inner
-        saved = inner.__dict__.get("log")
-        inner.log = log
+        saved = inner.__dict__.get("log"), inner.__dict__.get("log_dict")
+        inner.log, inner.log_dict = log, log_dict
         try:
-            out = inner.training_step(batch, 0)
+            out = inner.training_step(batch, self.batch_idx)
         finally:
-            inner.log = saved
+            inner.log, inner.log_dict = saved
         loss = out["loss"] if isinstance(out, dict) else out
         return loss, logged
 
@@ -91,10 +96,11 @@ class VmapExecutor(Executor):
     elementwise optimizers: SGD, Adam, AdamW, Adagrad, RMSprop). Clients with the same number of
     samples form a group (their batches stack); a group is processed in chunks of ``chunk_size``.
 
-    What it does not run: per-batch hooks other than ``training_step``, LR schedulers, manual
-    optimization, plugins with ``on_before_optimizer_step``, random ops inside ``training_step``
-    (dropout: vmap would draw from one generator for the whole chunk) and modules with buffers.
-    Those raise a clear error at set-up; use the sequential executor for them.
+    What it does not run: per-batch hooks other than ``training_step`` (a module overriding one is
+    refused), LR schedulers, manual optimization, plugins that change gradients or optimizers
+    (DP-SGD), random ops inside ``training_step`` (dropout: vmap would draw from one generator for
+    the whole chunk), frozen parameters and modules with buffers. Those raise a clear error at
+    set-up; use the sequential executor for them.
 
     Results match the sequential executor to float rounding (different kernels), not bitwise; they
     do not depend on the number of ranks as long as the batched kernels compute every client's
@@ -117,11 +123,19 @@ class VmapExecutor(Executor):
         if list(m.buffers()):
             raise ConfigError("trainer.executor", "vmap", "the model has buffers (e.g. BatchNorm statistics)",
                               "use executor='sequential' or a model without buffers")
+        hooks = [h for h, on in module._overridden.items() if on]
+        if hooks:
+            raise ConfigError("trainer.executor", "vmap", f"the module overrides {hooks}, which the vectorised "
+                              "step does not call", "use executor='sequential'")
+        frozen = [n for n, p in m.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ConfigError("trainer.executor", "vmap", f"frozen parameters {frozen[:3]} would be trained",
+                              "use executor='sequential'")
         if trainer.data._train_tensors is None:
             raise ConfigError("trainer.executor", "vmap", "the client data is not in memory",
                               "use executor='sequential' or FederatedDataModule(in_memory=True)")
         opts, scheds = parse_optimizers(m.configure_optimizers())
-        if scheds or not isinstance(opts[0], ELEMENTWISE_OPTIMIZERS):
+        if scheds or type(opts[0]) not in ELEMENTWISE_OPTIMIZERS:  # a subclass may not be elementwise
             raise ConfigError("trainer.executor", "vmap",
                               f"needs one elementwise optimizer ({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}) "
                               "and no LR scheduler", "use executor='sequential'")
@@ -171,8 +185,10 @@ class VmapExecutor(Executor):
         streams = [data.client_batches(c, trainer.batch_size, epochs=trainer.local_epochs, steps=trainer.local_steps,
                                        generator=rng.generator(trainer.seed, round_idx, c, rng.DATA)) for c in clients]
         logged = module.logged
+        module._shim.current_epoch = round_idx
         steps = samples = 0
         for items in zip(*streams):
+            self._step.batch_idx = items[0][1]
             batch = tuple(torch.stack(parts) for parts in zip(*(b for _, _, b in items)))
             grads, (_, logs) = self._fn(dict(zip(self._names, params)), batch)
             for p, name in zip(params, self._names):

@@ -205,6 +205,12 @@ class FederatedLightningModule:
         if bad:
             raise ConfigError("model", type(m).__name__, f"has parameters of dtype {', '.join(bad)}",
                               "use float32 parameters (call model.float()); the global model is one fp32 buffer")
+        running = [n for n, mod in m.named_modules()
+                   if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats]
+        if running:
+            raise ConfigError("model", running, "BatchNorm running statistics are computed from each client's data "
+                              "and are not federated here, so evaluation would use their initial values",
+                              "use GroupNorm or LayerNorm, or BatchNorm(track_running_stats=False)")
         total = sum(p.numel() for p in params)
         self.working = torch.empty(total, dtype=torch.float32, device=device)
         offset = 0

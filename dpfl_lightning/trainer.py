@@ -100,6 +100,10 @@ class FederatedTrainer:
         checkpoint_dir: default ``<log_dir>/<run_name>/checkpoints``.
         executor: ``sequential`` (every hook, any module) or ``vmap`` (clients of a rank trained
             together with ``torch.func.vmap``; see :class:`~dpfl_lightning.executor.VmapExecutor`).
+        log_client_metrics: log what the module's ``training_step`` records (e.g. the training
+            loss, averaged over the cohort) and allow ``eval_per_client``. These are statistics of
+            raw client data with no noise: ``None`` (default) logs them only when no plugin
+            declares a DP mechanism; ``True`` with DP is an explicit, unaccounted release.
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class FederatedTrainer:
         checkpoint_every: int | None = None,
         checkpoint_dir: str | None = None,
         executor: str = "sequential",
+        log_client_metrics: bool | None = None,
     ) -> None:
         self.hparams = {k: v for k, v in locals().items() if k not in ("self", "plugins", "loggers", "algorithm")}
         self.hparams["plugins"] = [repr(p) for p in plugins or []]
@@ -199,6 +204,8 @@ class FederatedTrainer:
         require(executor in EXECUTORS, "trainer.executor", executor, "unknown executor", f"use one of {', '.join(EXECUTORS)}")
         self.executor: Executor = EXECUTORS[executor]()
         self.batch_sampling = "shuffle"  # DP-SGD switches to the independent batches it accounts for
+        self._log_client_metrics = log_client_metrics
+        self.private = False
         self.config: dict[str, Any] | None = None  # the resolved run configuration, set by the CLI
         self.comm: Communicator | None = None
         self.history: list[dict[str, float]] = []
@@ -321,6 +328,15 @@ class FederatedTrainer:
         if declares and not any(isinstance(p, PrivacyLedger) for p in self.plugins):
             self.plugins.append(PrivacyLedger())
         self.plugins.sort(key=lambda p: p.order)
+        self.private = declares
+        self.log_client_metrics = (not declares) if self._log_client_metrics is None else self._log_client_metrics
+        if declares:
+            require(self.weighting == "uniform", "trainer.weighting", self.weighting,
+                    "weighting clients by their data size is a data-dependent, un-noised release and changes "
+                    "the sensitivity", "use weighting='uniform' with DP plugins")
+            require(not self.eval_per_client or self.log_client_metrics, "trainer.eval_per_client", True,
+                    "per-client evaluation logs un-noised statistics of every client's data in a DP run",
+                    "set eval_per_client=False, or log_client_metrics=True to release them knowingly")
         require(sum(isinstance(p, ServerOptimizer) for p in self.plugins) == 1, "trainer.plugins",
                 [type(p).__name__ for p in self.plugins], "more than one ServerOptimizer", "keep one ServerOptimizer")
         for p in self.plugins:
@@ -440,11 +456,18 @@ class FederatedTrainer:
         finite = torch.isfinite(rows).all(dim=1).tolist() if len(mine) else []
         extra_rows = []
         for k, (result, ok) in enumerate(zip(results, finite)):
-            weight = float(result.num_samples) if self.weighting == "samples" else 1.0
             if not ok:
-                rows[k].zero_()  # never reaches the global model
-                result.scalars = {}
-            elif weight != 1.0:
+                # The client's update counts as zero, processed like any update: its noise share
+                # (distributed) or local noise is drawn again from the same key, so the noise the
+                # accountant assumes is all there. The raw update never reaches the global model.
+                rows[k].zero_()
+                result = ClientUpdate(result.client, r, rows[k], result.num_samples, result.steps, result.lr)
+                self.call_hook("on_client_end", result=result)
+                if not bool(torch.isfinite(rows[k]).all()):
+                    raise NonFiniteUpdateError(f"round {r}: the plugins turned client {result.client}'s zero update "
+                                               "into a non-finite one. Fix: check the plugins' settings")
+            weight = float(self.data.client_num_samples(result.client)) if self.weighting == "samples" else 1.0
+            if weight != 1.0:
                 rows[k].mul_(weight)
             scalars = {"weight": weight, "nonfinite": 0.0 if ok else 1.0, **result.scalars}
             extra_rows.append([scalars.get(n, 0.0) for n in self._scalar_names])
@@ -475,11 +498,13 @@ class FederatedTrainer:
             self.call_hook("on_server_update", update=update, aggregate=agg)
         self.last_aggregate = agg
 
-        metrics: dict[str, float] = {"round": r + 1, "clients": float(len(cohort))}
+        metrics: dict[str, float] = {"round": r + 1}
+        if not (self.private and self.sampler.kind == "poisson"):  # a Poisson cohort's size is not public
+            metrics["clients"] = float(len(cohort))
         if n_bad:
             metrics["skipped_clients"] = float(n_bad)
-        parts = comm.allgather_object(train_logs)
-        metrics.update(merge(parts))
+        if self.log_client_metrics:
+            metrics.update(merge(comm.allgather_object(train_logs)))
         module.load_global()
         if (r + 1) % self.eval_every == 0 or r + 1 == self.rounds:
             metrics.update(self._evaluate())
@@ -530,6 +555,7 @@ class FederatedTrainer:
             "num_parameters": self.module.num_parameters,
             "num_clients": self.data.num_clients,
             "seed": self.seed,
+            "sampler": (self.sampler.kind, self.sampler.clients_per_round, self.sampler.rate),
             "rng": {"scheme": "keyed by (seed, round, client)", "seed": self.seed},
             "plugins": [{"class": type(p).__name__, "state": p.state_dict()} for p in self.plugins],
             "client_states": client_states,
@@ -553,7 +579,9 @@ class FederatedTrainer:
 
     def _restore(self, state: dict[str, Any]) -> int:
         module, data = self.module, self.data
-        for key, have in (("num_parameters", module.num_parameters), ("num_clients", data.num_clients), ("seed", self.seed)):
+        sampler = (self.sampler.kind, self.sampler.clients_per_round, self.sampler.rate)
+        for key, have in (("num_parameters", module.num_parameters), ("num_clients", data.num_clients), ("seed", self.seed),
+                          ("sampler", sampler)):
             if state[key] != have:
                 raise ConfigError("resume", state[key], f"the checkpoint's {key} differs from this run's ({have})",
                                   f"resume with the configuration that wrote the checkpoint ({key}={state[key]})")

@@ -27,7 +27,8 @@ def _plugins():
 
 
 def _trainer(log_dir, **kw):
-    return quiet_trainer(log_dir, rounds=6, clients_per_round=5, plugins=_plugins(), seed=11, **kw)
+    # log_client_metrics: the (un-noised) training loss is logged too, so its history can be compared
+    return quiet_trainer(log_dir, rounds=6, clients_per_round=5, plugins=_plugins(), seed=11, log_client_metrics=True, **kw)
 
 
 def test_resume_equals_uninterrupted_run(tmp_path):
@@ -46,6 +47,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert torch.equal(out.global_params, ref.global_params)
     assert resumed.client_states == full.client_states
     assert [h["my_train_loss"] for h in resumed.history] == [h["my_train_loss"] for h in full.history]
+    assert [h["epsilon"] for h in resumed.history] == [h["epsilon"] for h in full.history]
     last = ckpt.load(os.path.join(full.checkpoint_dir, "last.ckpt"))
     assert last["round"] == 6 and torch.equal(last["global_params"], ref.global_params)
 

@@ -97,6 +97,7 @@ class DPSGD(FederatedCallback):
         self.secure_mode = secure_mode
         self.replaced: list[str] = []
         self._grad_sample_module = None
+        self._coverage_checked = False
 
     # ------------------------------------------------------------------ set-up
     def configure_model(self, *, trainer, model: Any) -> Any:
@@ -124,6 +125,7 @@ class DPSGD(FederatedCallback):
         require(trainer.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
                 "set trainer.batch_size (the expected batch size B)")
         trainer.batch_sampling = self.sampling
+        self._coverage_checked = False
         self._profiles = self._client_profiles(trainer)
         if self.target_epsilon is not None:
             self.noise_multiplier = self._calibrate(trainer)
@@ -181,6 +183,29 @@ class DPSGD(FederatedCallback):
         return self._mechanism(self.noise_multiplier)
 
     # ------------------------------------------------------------------ per client
+    def on_before_optimizer_step(self, *, trainer, client: int, optimizer) -> None:
+        """Once per fit, at the first local step: every trainable parameter must have per-record
+        gradients. Opacus computes them per layer; a parameter used outside its layers' forward
+        (say, a temperature multiplied in ``training_step``) would silently get noise only."""
+        if self._coverage_checked:
+            return
+        self._coverage_checked = True
+        params = [(n, p) for n, p in trainer.module.inner.named_parameters() if p.requires_grad]
+        scale = max((float(p.grad.abs().max()) for _, p in params if p.grad is not None and p.grad.numel()), default=0.0)
+        missing = []
+        for name, p in params:
+            gs = getattr(p, "grad_sample", None)
+            # all-zero per-record gradients for a parameter whose gradient is not negligible (rounding
+            # residue, e.g. of a normalisation over one element, is not a miss)
+            silent = (gs is not None and gs.numel() and not gs.any() and p.grad is not None
+                      and float(p.grad.abs().max()) > 1e-5 * scale)
+            if gs is None or silent:
+                missing.append(name)
+        if missing:
+            raise ConfigError("DPSGD", missing, "Opacus computes no per-record gradients for these parameters "
+                              "(used outside a supported layer's forward), so DP-SGD would train them on noise only",
+                              "compute them inside a module Opacus supports, or freeze them (requires_grad=False)")
+
     def wrap_optimizer(self, *, trainer, client: int, round_idx: int, optimizer: torch.optim.Optimizer):
         from opacus.optimizers import DPOptimizer
 
@@ -196,3 +221,12 @@ class DPSGD(FederatedCallback):
         if self._grad_sample_module is not None:
             self._grad_sample_module.cleanup()  # remove Opacus hooks and attributes from the model
             self._grad_sample_module = None
+
+    def state_dict(self) -> dict:
+        # A calibrated run resumed later must keep the noise it ran with (recalibrating for other
+        # settings would make the ledger misreport the past rounds).
+        return {"noise_multiplier": self.noise_multiplier} if self.target_epsilon is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.noise_multiplier = state["noise_multiplier"]

@@ -22,7 +22,11 @@ Threat models (who must be trusted for the guarantee to hold):
 
 Draws are keyed by (seed, round, client) -- (seed, round) for the central draw, taken identically
 on every rank -- so they do not depend on the number of ranks, and two runs with the same seed (say
-clipping vs normalization) see the same noise.
+clipping vs normalization) see the same noise. That makes the noise a function of the (logged)
+seed: anyone who has the seed can subtract it. This is what a simulation wants; for data that must
+really be protected use ``secure=True``: the key then also mixes in a secret drawn from the
+operating system at set-up (shared by the ranks, never logged or checkpointed), so the noise is
+no longer reproducible from the configuration.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class GaussianNoise(FederatedCallback):
 
     def __init__(self, std: float | None = None, noise_multiplier: float | None = None,
                  placement: str = "central", target_epsilon: float | None = None, delta: float | None = None,
-                 accountant: str = "rdp") -> None:
+                 accountant: str = "rdp", secure: bool = False) -> None:
         given = {"std": std, "noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon}
         require(sum(v is not None for v in given.values()) == 1, "GaussianNoise", given,
                 "exactly one of std, noise_multiplier and target_epsilon must be set",
@@ -75,6 +79,8 @@ class GaussianNoise(FederatedCallback):
         self.target_epsilon = target_epsilon
         self.delta = delta
         self.accountant = accountant
+        self.secure = secure
+        self._secret = 0
         self.sensitivity: float | None = None
         self._cohort_size = 1
 
@@ -87,6 +93,11 @@ class GaussianNoise(FederatedCallback):
         return float(self.noise_multiplier) * self.sensitivity
 
     def setup(self, *, trainer, module) -> None:
+        if self.secure:
+            import secrets
+
+            secret = secrets.randbits(62) if trainer.is_global_zero else None
+            self._secret = trainer.comm.broadcast_object(secret, root=0) if trainer.comm is not None else secret
         bounds = [p for p in trainer.plugins[: trainer.plugins.index(self)] if isinstance(p, SensitivityBound)]
         if bounds:
             self.sensitivity = bounds[-1].max_norm
@@ -101,10 +112,6 @@ class GaussianNoise(FederatedCallback):
                                   "calibration needs a norm bound and no UpdateClipping or UpdateNormalization "
                                   "runs before the noise", "add UpdateClipping(C) or UpdateNormalization(C)")
             self.noise_multiplier = self._calibrate(trainer)
-        if trainer.weighting != "uniform":
-            raise ConfigError("trainer.weighting", trainer.weighting,
-                              "weighting clients by sample count makes the sensitivity data-dependent",
-                              "use weighting='uniform' with GaussianNoise")
 
     def _calibrate(self, trainer) -> float:
         """The smallest ``z`` (to 1%) whose ledger epsilon after ``trainer.rounds`` rounds is at most
@@ -143,12 +150,21 @@ class GaussianNoise(FederatedCallback):
             return
         std = self.sigma if self.placement == "local" else self.sigma / math.sqrt(self._cohort_size)
         u = result.update
-        g = rng.generator(trainer.seed, result.round_idx, result.client, rng.CLIENT_NOISE, u.device)
+        g = rng.generator(trainer.seed ^ self._secret, result.round_idx, result.client, rng.CLIENT_NOISE, u.device)
         u.add_(torch.randn(u.shape, generator=g, device=u.device, dtype=u.dtype), alpha=std)
 
     def on_aggregate(self, *, trainer, aggregate: Aggregate) -> None:
         if self.placement != "central":
             return
         s = aggregate.update_sum
-        g = rng.generator(trainer.seed, aggregate.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, s.device)
+        g = rng.generator(trainer.seed ^ self._secret, aggregate.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, s.device)
         s.add_(torch.randn(s.shape, generator=g, device=s.device, dtype=s.dtype), alpha=self.sigma)
+
+    def state_dict(self) -> dict:
+        # A calibrated run resumed later must keep the noise it ran with (recalibrating for other
+        # settings would make the ledger misreport the past rounds).
+        return {"noise_multiplier": self.noise_multiplier} if self.target_epsilon is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.noise_multiplier = state["noise_multiplier"]

@@ -128,9 +128,15 @@ def _rdp_epsilon(release: GaussianRelease, steps: int, delta: float) -> float:
 
 @lru_cache(maxsize=64)
 def _base_pld(release: GaussianRelease, discretization: float):
+    # Our noise multiplier is std / (distance between the neighbours' outputs) in both relations.
+    # dp_accounting's PLD under REPLACE_ONE compares means -s and +s (distance 2s), so an unsampled
+    # Gaussian is passed as add/remove (distance 1): for a Gaussian without sampling only the
+    # distance matters. (Replace-one is only used here without sampling or with sampling without
+    # replacement, which PLD does not handle anyway.)
+    relation = RELATIONS["add_remove"] if release.sampling == "none" else RELATIONS[release.relation]
     return dp_pld.privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=release.noise_multiplier, sampling_prob=release.effective_rate,
-        value_discretization_interval=discretization, neighboring_relation=RELATIONS[release.relation])
+        value_discretization_interval=discretization, neighboring_relation=relation)
 
 
 def _pld_epsilon(release: GaussianRelease, steps: int, delta: float, discretization: float) -> float:
@@ -142,13 +148,16 @@ def _pld_epsilon(release: GaussianRelease, steps: int, delta: float, discretizat
 
 
 def _prv_epsilon(release: GaussianRelease, steps: int, delta: float) -> float:
+    """Opacus's PRV of the (Poisson-subsampled) Gaussian; its multiplier is std / distance, as ours
+    (an unsampled replace-one release is the same Gaussian as an add/remove one)."""
     from opacus.accountants import PRVAccountant
 
     if steps == 0:
         return 0.0
     acc = PRVAccountant()
     acc.history = [(release.noise_multiplier, release.effective_rate, steps)]
-    return float(acc.get_epsilon(delta))
+    with np.errstate(divide="ignore"):  # Opacus takes log(1 - q) = log(0) for q = 1, harmlessly
+        return float(acc.get_epsilon(delta))
 
 
 def epsilon(release: GaussianRelease, steps: int, delta: float, accountant: str = "rdp",
@@ -167,7 +176,7 @@ def epsilon(release: GaussianRelease, steps: int, delta: float, accountant: str 
                        f"{accountant} does not support sampling without replacement: RDP upper bound")
     if accountant == "pld":
         return Epsilon(_pld_epsilon(release, steps, delta, pld_discretization), "pld")
-    if release.relation != "add_remove":
+    if release.relation != "add_remove" and release.sampling != "none":
         return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", "prv supports add/remove neighbours only: RDP upper bound")
     return Epsilon(_prv_epsilon(release, steps, delta), "prv")
 

@@ -107,7 +107,13 @@ def calibrate_release(base: GaussianRelease, target_epsilon: float, delta: float
         z_rdp *= 1 + 1e-6
     if accountant == "rdp" or epsilon(replace(base, noise_multiplier=z_rdp), steps, delta, accountant).method == "rdp":
         return z_rdp
-    hi, lo = z_rdp, z_rdp * 0.8
+    hi = z_rdp
+    while exact(hi) > target_epsilon:  # RDP is normally the looser bound; do not rely on it
+        hi *= 1.25
+        if hi > Z_MAX:
+            raise ConfigError("target_epsilon", target_epsilon, f"is unreachable under {accountant}",
+                              "raise the target epsilon or delta")
+    lo = hi * 0.8
     while exact(lo) <= target_epsilon and lo > Z_MIN:
         lo, hi = lo * 0.8, lo
     return _search(exact, target_epsilon, lo, hi, rtol)

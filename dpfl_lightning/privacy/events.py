@@ -13,8 +13,10 @@ client, central     Gaussian(std / C) after the trainer's client sampling:      
                     Poisson(q): add/remove, sensitivity C;                       models (trusted
                     fixed-size m of M: without replacement, replace-one, 2C;     aggregator)
                     full participation: add/remove, C
-client, distributed same as central (the shares sum to the central noise)        anyone, if secure
+client, distributed per participation, replace-one, Gaussian(std / 2C)          the server, if secure
                                                                                  aggregation hides shares
+                    and, second, as central                                      anyone who sees only
+                                                                                 the models
 client, local       Gaussian(std / 2C) per round the client took part in;        the server (local DP)
                     replace-one (any two updates of norm <= C differ by 2C);
                     no amplification: the server sees who takes part
@@ -107,16 +109,19 @@ def _record_release(mech: Mechanism, n: int, rate: float) -> GaussianRelease:
                            sample_size=round(rate * n))
 
 
-def guarantee(mech: Mechanism, sampler: ClientSampler) -> Guarantee:
-    """The accounted release of ``mech`` under the trainer's client sampling (see module table)."""
+def guarantees(mech: Mechanism, sampler: ClientSampler) -> list[Guarantee]:
+    """The accounted releases of ``mech`` under the trainer's client sampling (see module table);
+    the first is the guarantee a run reports as ``epsilon``."""
     if mech.granularity == "record":
         profiles = tuple(Profile(_record_release(mech, n, rate), steps, clients) for n, rate, steps, clients in mech.profiles)
-        return Guarantee("record", f"record-level DP ({mech.source}) of each client's updates, towards the server",
-                         profiles, True, "record")
+        return [Guarantee("record", f"record-level DP ({mech.source}) of each client's updates, towards the server",
+                          profiles, True, "record")]
+    # Whoever knows who took part (the server always does) gets no amplification by sampling, and
+    # for it "neighbours" are the same clients with one client's data replaced: sensitivity 2C.
+    per_participation = (Profile(GaussianRelease(mech.std / (2 * mech.sensitivity), "none", 1.0, "replace_one"),
+                                 mech.steps_per_round),)
     if mech.placement == "local":
-        release = GaussianRelease(mech.std / (2 * mech.sensitivity), "none", 1.0, "replace_one")
-        return Guarantee("client_local", "client-level local DP, towards the server", (Profile(release, mech.steps_per_round),),
-                         True, "client")
+        return [Guarantee("client_local", "client-level local DP, towards the server", per_participation, True, "client")]
     if sampler.kind == "poisson":
         release = GaussianRelease(mech.std / mech.sensitivity, "poisson", sampler.rate, "add_remove")
     elif sampler.kind == "uniform" and sampler.clients_per_round < sampler.num_clients:
@@ -124,10 +129,19 @@ def guarantee(mech: Mechanism, sampler: ClientSampler) -> Guarantee:
                                   population=sampler.num_clients, sample_size=sampler.clients_per_round)
     else:
         release = GaussianRelease(mech.std / mech.sensitivity, "none", 1.0, "add_remove")
-    who = ("anyone who sees the models (trusted aggregator)" if mech.placement == "central"
-           else "anyone incl. the server, assuming secure aggregation")
-    return Guarantee(f"client_{mech.placement}", f"client-level DP, {mech.placement} noise, towards {who}",
-                     (Profile(release, mech.steps_per_round),), False, "client")
+    models = (Profile(release, mech.steps_per_round),)
+    if mech.placement == "central":
+        return [Guarantee("client_central", "client-level DP, central noise, towards anyone who sees the models but "
+                          "not who took part (trusted aggregator)", models, False, "client")]
+    return [Guarantee("client_distributed", "client-level DP, distributed noise, towards the server (secure "
+                      "aggregation hides the shares; the server knows who took part)", per_participation, True, "client"),
+            Guarantee("client_distributed_models", "client-level DP, distributed noise, towards anyone who sees the "
+                      "models but not who took part", models, False, "client")]
+
+
+def guarantee(mech: Mechanism, sampler: ClientSampler) -> Guarantee:
+    """The main guarantee of ``mech`` (the first of :func:`guarantees`)."""
+    return guarantees(mech, sampler)[0]
 
 
 def default_delta(n: int) -> float:

@@ -25,7 +25,7 @@ import numpy as np
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.base import FederatedCallback
 from dpfl_lightning.privacy.accountants import ACCOUNTANTS, PLD_DISCRETIZATION, epsilon
-from dpfl_lightning.privacy.events import Guarantee, default_delta, guarantee
+from dpfl_lightning.privacy.events import Guarantee, default_delta, guarantees
 
 
 class PrivacyLedger(FederatedCallback):
@@ -36,16 +36,17 @@ class PrivacyLedger(FederatedCallback):
             (``N``: clients for client-level, the smallest client's records for record-level DP),
             or the delta a calibrated ``GaussianNoise`` was given. ``delta >= 1/N`` is refused.
         accountant: ``rdp`` (dp_accounting RDP; fast), ``pld`` (dp_accounting PLD; tighter, ~20-60 ms
-            per round) or ``prv`` (Opacus PRV; Poisson or no sampling only, slow).
+            per round) or ``prv`` (Opacus PRV; Poisson or no sampling only, slow). Default: the
+            accountant a calibrated plugin (``target_epsilon``) used, else ``rdp``.
         budget: stop before a round that would take epsilon above this.
     """
 
     order = 950
 
-    def __init__(self, delta: float | None = None, accountant: str = "rdp", budget: float | None = None,
+    def __init__(self, delta: float | None = None, accountant: str | None = None, budget: float | None = None,
                  pld_discretization: float = PLD_DISCRETIZATION) -> None:
-        require(accountant in ACCOUNTANTS, "PrivacyLedger.accountant", accountant, "unknown accountant",
-                f"use one of {', '.join(ACCOUNTANTS)}")
+        require(accountant is None or accountant in ACCOUNTANTS, "PrivacyLedger.accountant", accountant,
+                "unknown accountant", f"use one of {', '.join(ACCOUNTANTS)}")
         require(delta is None or (isinstance(delta, (int, float)) and 0 < delta < 1), "PrivacyLedger.delta", delta,
                 "must be in (0, 1)", "set delta well below 1/N, e.g. 1e-5")
         require(budget is None or (math.isfinite(budget) and budget > 0), "PrivacyLedger.budget", budget,
@@ -58,19 +59,28 @@ class PrivacyLedger(FederatedCallback):
         self.rounds = 0
         self.counts: np.ndarray | None = None
         self._cohort: list[int] = []
-        self._cache: dict[tuple[int, int], float] = {}
+        self._cache: dict[tuple[int, int, int], float] = {}
         self.method_notes: dict[str, str] = {}
+        self._saved_releases: list | None = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self, *, trainer, module) -> None:
+        self._build(trainer)
+
+    def _build(self, trainer) -> None:
+        """Collect the declared mechanisms into guarantees; settle delta and the accountant."""
         mechanisms = [m for p in trainer.plugins if p is not self
                       for m in [p.privacy_mechanism(trainer=trainer)] if m is not None]
-        self.guarantees = [guarantee(m, trainer.sampler) for m in mechanisms]
+        self.guarantees = [g for m in mechanisms for g in guarantees(m, trainer.sampler)]
+        self._cache.clear()
         if not self.guarantees:
             return
         data = trainer.data
+        calibrated = [p for p in trainer.plugins if p is not self and getattr(p, "target_epsilon", None) is not None]
+        if self.accountant is None:
+            self.accountant = calibrated[0].accountant if calibrated else "rdp"
         if self.delta is None:
-            declared = {getattr(p, "delta", None) for p in trainer.plugins if p is not self} - {None}
+            declared = {getattr(p, "delta", None) for p in calibrated} - {None}
             self.delta = min(declared) if declared else min(default_delta(self._population(g, data)) for g in self.guarantees)
         for g in self.guarantees:
             n = self._population(g, data)
@@ -81,7 +91,9 @@ class PrivacyLedger(FederatedCallback):
                                   f"set delta <= {default_delta(n):g}")
         if self.counts is None or len(self.counts) != data.num_clients:
             self.counts = np.zeros(data.num_clients, dtype=np.int64)
-        self._cache.clear()
+
+    def _releases(self) -> list:
+        return [(g.name, g.profiles) for g in self.guarantees]
 
     @staticmethod
     def _population(g: Guarantee, data) -> int:
@@ -167,6 +179,14 @@ class PrivacyLedger(FederatedCallback):
         self._check_budget(trainer, round_idx, cohort)
 
     def on_fit_start(self, *, trainer) -> None:
+        # After a resume the plugins' restored state (e.g. a calibrated noise multiplier) is in
+        # force: rebuild, and refuse to continue a ledger whose past rounds used other releases.
+        self._build(trainer)
+        if self._saved_releases is not None and self._saved_releases != self._releases():
+            raise ConfigError("resume", "privacy mechanism",
+                              "the checkpoint's rounds were accounted for other releases (noise, sampling, clients "
+                              "or delta) than this run's, so continuing would misreport epsilon",
+                              "resume with the privacy settings that wrote the checkpoint")
         if trainer.is_global_zero and self.guarantees and trainer.enable_summary:
             from rich.console import Console
 
@@ -191,11 +211,15 @@ class PrivacyLedger(FederatedCallback):
             self._check_budget(trainer, round_idx + 1, trainer.sampler.sample(trainer.seed, round_idx + 1))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "counts": None if self.counts is None else self.counts.copy(), "delta": self.delta}
+        return {"rounds": self.rounds, "counts": None if self.counts is None else self.counts.copy(),
+                "delta": self.delta, "accountant": self.accountant, "releases": self._releases()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rounds = int(state["rounds"])
         self.counts = None if state["counts"] is None else np.asarray(state["counts"], dtype=np.int64).copy()
-        if self.delta is None:
-            self.delta = state.get("delta")
+        if state.get("delta") != self.delta or state.get("accountant") != self.accountant:
+            raise ConfigError("resume", {"delta": state.get("delta"), "accountant": state.get("accountant")},
+                              f"the checkpoint's ledger used other delta/accountant than this run's "
+                              f"({self.delta}, {self.accountant})", "resume with the same PrivacyLedger settings")
+        self._saved_releases = state.get("releases")
         self._cache.clear()

@@ -20,7 +20,8 @@ class Participation(FederatedCallback):
 def _fit(log_dir, communicator, placement="central", bound=UpdateClipping, ckpt_path=None, **kw):
     plugins = [bound(0.5), GaussianNoise(noise_multiplier=0.4, placement=placement), Participation(),
                ServerOptimizer("sgd", lr=1.0, momentum=0.5)]
-    trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=7, communicator=communicator, seed=4, plugins=plugins, **kw)
+    trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=7, communicator=communicator, seed=4, plugins=plugins,
+                            log_client_metrics=True, **kw)
     module = trainer.fit(TinyClassifier(), tiny_data(num_clients=15), ckpt_path=ckpt_path)
     return trainer, module
 
@@ -34,6 +35,7 @@ def test_two_ranks_bit_identical_to_one(shared_tmp, comm, placement, bound):
     assert one.world_size == 1
     assert torch.equal(m2.global_params, m1.global_params)
     assert [h["my_train_loss"] for h in two.history] == [h["my_train_loss"] for h in one.history]
+    assert [h["epsilon"] for h in two.history] == [h["epsilon"] for h in one.history]
     everyone = comm.allgather(m2.global_params.numpy().tobytes())
     assert everyone[0] == everyone[1]
 

@@ -110,6 +110,11 @@ def build_parser() -> ArgumentParser:
 
 
 def run_fit(parser: ArgumentParser, cfg: Any) -> Any:
+    import lightning
+
+    # The model is built from the config: seed its initialisation with the run's seed, so the same
+    # config gives the same run (ranks then take rank 0's parameters).
+    lightning.seed_everything(cfg.fit.trainer.seed, verbose=False)
     init = parser.instantiate_classes(cfg)
     fit = init.fit
     trainer = fit.trainer

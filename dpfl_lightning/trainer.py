@@ -319,6 +319,10 @@ class FederatedTrainer:
         for p in self.plugins:  # e.g. DP-SGD may swap in a DP-compatible copy of the model
             module.inner = p.configure_model(trainer=self, model=module.inner)
         module.setup(self.device, comm.rank, comm.size, comm.local_rank)
+        # Every rank must start from the same global model, whatever its random state was when the
+        # model was built: rank 0's initial parameters are the global model.
+        comm.broadcast_(module.global_params, root=0)
+        module.load_global()
         self.module, self.data = module, data
         self.aggregator = ExactSum() if self.exact_aggregation else FloatSum()
 

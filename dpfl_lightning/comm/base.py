@@ -27,6 +27,10 @@ class Communicator:
     def allreduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with ``root``'s (in place)."""
+        raise NotImplementedError
+
     def allgather_object(self, obj: Any) -> list[Any]:
         raise NotImplementedError
 

@@ -20,6 +20,9 @@ class LocalCommunicator(Communicator):
     def allreduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        return tensor
+
     def allgather_object(self, obj: Any) -> list[Any]:
         return [obj]
 

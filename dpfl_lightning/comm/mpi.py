@@ -64,6 +64,13 @@ class MPICommunicator(Communicator):
     def allreduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._reduce(tensor, _mpi().MAX)
 
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        host = self._host(tensor)
+        self.comm.Bcast(host, root=root)
+        if host is not tensor:
+            tensor.copy_(host)
+        return tensor
+
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
 

@@ -82,6 +82,10 @@ class TorchDistCommunicator(MPICommunicator):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        dist.broadcast(tensor, src=root)
+        return tensor
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

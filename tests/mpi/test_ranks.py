@@ -96,3 +96,13 @@ def test_vmap_executor_two_ranks_bit_identical_to_one(shared_tmp, comm):
     two = fit(os.path.join(shared_tmp, "vmap2"), "auto")
     one = fit(os.path.join(shared_tmp, f"vmap1-{comm.Get_rank()}"), "local")
     assert torch.equal(two.global_params, one.global_params)
+
+
+def test_ranks_start_from_rank_zeros_initial_model(shared_tmp, comm):
+    def fit(log_dir, communicator, init_seed):
+        trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=6, communicator=communicator, seed=1)
+        return trainer.fit(TinyClassifier(seed=init_seed), tiny_data(num_clients=12))
+
+    two = fit(os.path.join(shared_tmp, "init2"), "auto", init_seed=comm.Get_rank())  # different inits per rank
+    one = fit(os.path.join(shared_tmp, f"init1-{comm.Get_rank()}"), "local", init_seed=0)
+    assert torch.equal(two.global_params, one.global_params)

@@ -262,10 +262,6 @@ class FederatedLightningModule:
     def has_test_step(self) -> bool:
         return self._has_test
 
-    def parameter_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a flat vector shaped like each parameter (same order as ``working``)."""
-        return [flat[o : o + n].view_as(p) for (o, n), p in zip(self._slices, self._params)]
-
     def load_global(self) -> None:
         """Set the module's parameters to the global model and its buffers to their initial values.
 

@@ -212,6 +212,7 @@ class FederatedDataModule:
 
     @property
     def has_client_test_sets(self) -> bool:
+        """Whether every client holds out ``client_test_fraction`` of its data for evaluation."""
         self.setup()
         return self.client_test_fraction > 0
 

@@ -26,10 +26,9 @@ if TYPE_CHECKING:
 
 # Where a plugin runs relative to the others. Sensitivity must be bounded before noise is added,
 # and noise must be added before anything leaves the client or reaches the server optimizer.
-ORDER_CLIENT_CORRECTION = 50
+ORDER_LOCAL_TRAINING = 40  # plugins that change how clients train (DP-SGD)
 ORDER_BOUND_SENSITIVITY = 100
 ORDER_ADD_NOISE = 200
-ORDER_STEP_SIZE = 800
 ORDER_SERVER_OPTIMIZER = 900
 
 

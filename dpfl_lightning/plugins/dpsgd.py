@@ -27,7 +27,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.data.module import record_sampling_rate
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
 
 RECORD_NOISE = rng.PLUGIN + 1
 
@@ -63,7 +63,7 @@ class DPSGD(FederatedCallback):
         secure_mode: Opacus's cryptographically safe noise (slower; not keyed, so not reproducible).
     """
 
-    order = 40
+    order = ORDER_LOCAL_TRAINING
 
     def __init__(self, noise_multiplier: float | None = None, max_grad_norm: float = 1.0,
                  target_epsilon: float | None = None, delta: float | None = None, sampling: str = "poisson",

@@ -30,7 +30,7 @@ from dp_accounting import rdp as dp_rdp
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
 
-from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.errors import require
 
 # dp_accounting warns (via absl) for every RDP order whose series does not converge; that order is
 # then excluded, which is what we want. Keep the console readable.
@@ -240,7 +240,3 @@ def fast_rdp_epsilon(release: GaussianRelease, steps: int, delta: float) -> floa
     curve = fast_rdp_poisson_gaussian(release.effective_rate, release.noise_multiplier)
     eps, _ = compute_epsilon(DEFAULT_RDP_ORDERS, steps * curve, delta)
     return float(eps)
-
-
-def unsupported(accountant: str, what: str) -> ConfigError:
-    return ConfigError("privacy.accountant", accountant, f"cannot account {what}", "use accountant='rdp'")

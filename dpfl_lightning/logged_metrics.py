@@ -47,6 +47,8 @@ class LoggedMetrics:
         self.reset()
 
     def reset(self) -> None:
+        for metric in getattr(self, "_metrics", {}).values():
+            metric.reset()  # what was not computed is dropped, not carried into the next stage
         self._values: dict[str, list[tuple[Any, float]]] = {}
         self._reducers: dict[str, str] = {}
         self._metrics: dict[str, Any] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dpfl_lightning import rng
@@ -64,3 +65,11 @@ class ClientSampler:
         else:
             chosen = torch.nonzero(torch.rand(self.num_clients, generator=g, dtype=torch.float64) < self.rate).flatten()
         return sorted(int(c) for c in chosen)
+
+    def participation_counts(self, seed: int, rounds: int) -> np.ndarray:
+        """How often each client takes part in rounds ``0 .. rounds-1``: known before training,
+        since cohorts are keyed by the seed (used to calibrate and plan per-client guarantees)."""
+        counts = np.zeros(self.num_clients, dtype=np.int64)
+        for r in range(rounds):
+            counts[self.sample(seed, r)] += 1
+        return counts

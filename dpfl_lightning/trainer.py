@@ -445,7 +445,7 @@ class FederatedTrainer:
         rows = self._rows[: len(mine)]
         module.logged.reset()
         runs = self.executor.train(self, mine, r, rows)
-        train_logs = module.logged.results()
+        train_logs = module.logged.results() if self.log_client_metrics else None
 
         results = []
         for k, (client, run) in enumerate(zip(mine, runs)):

@@ -153,16 +153,12 @@ class DPSGD(FederatedCallback):
         return tuple(out)
 
     def _calibrate(self, trainer) -> float:
-        import numpy as np
-
         from dpfl_lightning.privacy.calibrate import calibrate_release
         from dpfl_lightning.privacy.events import default_delta, guarantee
 
         if self.delta is None:
             self.delta = default_delta(min(n for n, *_ in self._profiles))
-        counts = np.zeros(trainer.data.num_clients, dtype=np.int64)
-        for r in range(trainer.rounds):
-            counts[trainer.sampler.sample(trainer.seed, r)] += 1
+        counts = trainer.sampler.participation_counts(trainer.seed, trainer.rounds)
         g = guarantee(self._mechanism(1.0), trainer.sampler)
         z = 0.0
         for p in g.profiles:  # the noise must cover the worst client of every profile

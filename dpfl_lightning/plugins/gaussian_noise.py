@@ -123,11 +123,8 @@ class GaussianNoise(FederatedCallback):
             self.delta = default_delta(trainer.sampler.num_clients)
         g = guarantee(self._mechanism(1.0), trainer.sampler)
         steps = trainer.rounds
-        if g.per_client:  # cohorts are keyed by the seed: the busiest client's participations are known
-            counts = torch.zeros(trainer.sampler.num_clients, dtype=torch.int64)
-            for r in range(trainer.rounds):
-                counts[trainer.sampler.sample(trainer.seed, r)] += 1
-            steps = int(counts.max())
+        if g.per_client:  # the busiest client's participations are known in advance
+            steps = int(trainer.sampler.participation_counts(trainer.seed, trainer.rounds).max())
         z_release = calibrate_release(g.release, self.target_epsilon, self.delta, steps * g.steps_per_round,
                                       self.accountant)
         return z_release / g.release.noise_multiplier

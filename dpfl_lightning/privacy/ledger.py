@@ -142,11 +142,7 @@ class PrivacyLedger(FederatedCallback):
     def planned_epsilons(self, trainer, rounds: int) -> dict[str, float]:
         """What the ledger will report after ``rounds`` rounds from the start (cohorts are keyed
         by the seed, so participation is known in advance)."""
-        counts = np.zeros(trainer.sampler.num_clients, dtype=np.int64)
-        if any(g.per_client for g in self.guarantees):
-            for r in range(rounds):
-                counts[trainer.sampler.sample(trainer.seed, r)] += 1
-        return self.epsilons(rounds, counts)
+        return self.epsilons(rounds, trainer.sampler.participation_counts(trainer.seed, rounds))
 
     @property
     def main(self) -> str | None:

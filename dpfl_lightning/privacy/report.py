@@ -59,12 +59,7 @@ def _calibrate(cfg: Any) -> None:
     g = guarantee(Mechanism("cli", "client", cfg.placement, 1.0, 1.0), sampler)
     steps = cfg.rounds
     if g.per_client:
-        import numpy as np
-
-        counts = np.zeros(sampler.num_clients, dtype=np.int64)
-        for r in range(cfg.rounds):
-            counts[sampler.sample(cfg.seed, r)] += 1
-        steps = int(counts.max())
+        steps = int(sampler.participation_counts(cfg.seed, cfg.rounds).max())
     t0 = time.perf_counter()
     z_release = calibrate_release(g.release, cfg.epsilon, cfg.delta, steps, cfg.accountant)
     took = time.perf_counter() - t0

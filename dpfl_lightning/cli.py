@@ -18,15 +18,22 @@ only accepts ``lightning.Trainer``)::
 ``--print_config`` prints the resolved configuration; dotted overrides such as
 ``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply after the file. Bad input ends
 with one line naming the setting and the fix, and exit status 2.
+
+Other subcommands: ``dpfl privacy ...`` (accounting without training), ``dpfl sweep SWEEP.yaml``
+(every configuration of a W&B-format sweep file as its own run, see :mod:`dpfl_lightning.sweep`)
+and ``dpfl report RUNS_DIR`` (plots and tables from the runs' CSV logs, see
+:mod:`dpfl_lightning.reporting`).
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 import traceback
 from typing import Any
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
 from dpfl_lightning.comm import launched_with_mpi
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError
@@ -35,6 +42,97 @@ EXIT_CONFIG = 2
 EXIT_FAILURE = 1
 
 
+# ---------------------------------------------------------------------------------------- help text
+_ROLE = re.compile(r":(?:py:)?(?:class|mod|func|meth|attr|obj|data|exc|ref|doc):`(~?)([^`<]*?)(?:\s*<([^>]*)>)?`")
+
+
+def clean_doc(text: str | None) -> str | None:
+    """Docstring markup as plain text for ``--help``: ``:class:`~a.b.C``` -> ``C``,
+    ``:mod:`a.b``` -> ``a.b``, double and single backquotes dropped."""
+    if not text:
+        return text
+
+    def role(m: re.Match) -> str:
+        target = (m.group(3) or m.group(2)).strip()
+        return target.rsplit(".", 1)[-1] if m.group(1) else target
+
+    text = _ROLE.sub(role, text)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    return re.sub(r"(?<![\w`])`([^`]+)`(?![\w`])", r"\1", text)
+
+
+def _doc_args(cls: type) -> dict[str, str]:
+    """``name: text`` entries of the ``Args:`` sections of ``cls`` and its bases, including entries
+    documenting several parameters at once (``local_epochs / local_steps: ...``), which the
+    docstring parser jsonargparse uses leaves out."""
+    out: dict[str, str] = {}
+    for klass in inspect.getmro(cls):
+        doc = inspect.getdoc(klass) or ""
+        lines = doc.splitlines()
+        try:
+            start = next(i for i, ln in enumerate(lines) if ln.strip() in ("Args:", "Arguments:", "Parameters:"))
+        except StopIteration:
+            continue
+        entries: list[tuple[list[str], list[str]]] = []
+        indent = None
+        for ln in lines[start + 1:]:
+            if not ln.strip():
+                continue
+            width = len(ln) - len(ln.lstrip())
+            if indent is None:
+                indent = width
+            if width < indent:
+                break
+            m = re.match(r"\s*([\w\s/,*]+?):\s*(.*)$", ln) if width == indent else None
+            if m:
+                names = [n.strip().lstrip("*") for n in re.split(r"[/,]", m.group(1)) if n.strip()]
+                entries.append((names, [m.group(2)]))
+            elif entries:
+                entries[-1][1].append(ln.strip())
+        for names, text in entries:
+            joined = " ".join(" ".join(text).split())
+            for name in names:
+                out.setdefault(name, joined)
+    return out
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's formatter, with docstring markup turned into plain text."""
+
+    def _expand_help(self, action) -> str:
+        return clean_doc(super()._expand_help(action)) or ""
+
+    def start_section(self, heading: str | None) -> None:
+        super().start_section(clean_doc(heading))
+
+    def add_text(self, text: str | None) -> None:
+        super().add_text(clean_doc(text))
+
+
+class DpflArgumentParser(ArgumentParser):
+    """An ArgumentParser whose help is plain text and whose class options all have a description
+    (also in the ``--data.help CLASS`` / ``--model.help CLASS`` pages, which jsonargparse builds
+    with the parser's own type)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_class_arguments(self, class_type: type, nested_key: str | None = None, *args: Any, **kwargs: Any):
+        added = super().add_class_arguments(class_type, nested_key, *args, **kwargs)
+        if inspect.isclass(class_type):
+            docs = _doc_args(class_type)
+            prefix = f"{nested_key}." if nested_key else ""
+            for action in self._actions:
+                dest = getattr(action, "dest", "") or ""
+                if dest.startswith(prefix) and not action.help:
+                    name = dest[len(prefix):].split(".")[-1]
+                    if name in docs:
+                        action.help = docs[name]
+        return added
+
+
+# ---------------------------------------------------------------------------------------- fit
 def _model_bases() -> tuple[type, ...]:
     import lightning
 
@@ -48,16 +146,41 @@ def _model_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
+def bundled_models() -> list[str]:
+    """The LightningModules of :mod:`dpfl_lightning.models` (importing it makes them known to
+    ``--model`` and ``--model.help`` by their short names)."""
+    import lightning
+
+    from dpfl_lightning import models
+
+    return [name for name, obj in vars(models).items()
+            if inspect.isclass(obj) and issubclass(obj, lightning.LightningModule) and obj.__module__ == models.__name__]
+
+
 def fit_parser() -> ArgumentParser:
     from dpfl_lightning.data.module import FederatedDataModule
     from dpfl_lightning.trainer import FederatedTrainer
 
-    p = ArgumentParser(description="Train a LightningModule with federated (DP) training.")
+    p = DpflArgumentParser(description="Train a LightningModule with federated (DP) training.")
     p.add_argument("--config", action=ActionConfigFile, help="YAML file with trainer/model/data sections")
     p.add_class_arguments(FederatedTrainer, "trainer", fail_untyped=False)
-    p.add_subclass_arguments(_model_bases(), "model", required=True)
+    models = bundled_models()
+    p.add_subclass_arguments(_model_bases(), "model", required=True,
+                             help="The model: any LightningModule subclass, by class path or, for the bundled "
+                                  f"ones, by name ({', '.join(models)}), with its init_args.")
     p.add_subclass_arguments(FederatedDataModule, "data", required=True)
     p.add_argument("--resume", type=str | None, default=None, help="continue from this checkpoint")
+    groups = getattr(p, "groups", {}) or {}
+    if "trainer" in groups:
+        groups["trainer"].title = "trainer (FederatedTrainer, the round loop)"
+    if "model" in groups:
+        groups["model"].title = "model (a LightningModule)"
+        groups["model"].description = (f"Bundled in dpfl_lightning.models: {', '.join(models)}. "
+                                       "Use --model.help CLASS for a model's options.")
+    if "data" in groups:
+        groups["data"].title = "data (a FederatedDataModule)"
+        groups["data"].description = ("A training set split over clients, plus a global test set. "
+                                      "Use --data.help CLASS for a source's options.")
     return p
 
 
@@ -68,15 +191,17 @@ def add_privacy_subcommands(p: ArgumentParser) -> None:
     eps.add_argument("--accountant", type=str | None, default=None, help="rdp, pld or prv (default: the ledger's)")
     eps.add_argument("--delta", type=float | None, default=None, help="default: the ledger's")
     sub.add_subcommand("epsilon", eps, help="epsilon a fit config would reach, without training")
-    cal = ArgumentParser()
+    cal = DpflArgumentParser()
     cal.add_argument("--epsilon", type=float, required=True)
     cal.add_argument("--delta", type=float, required=True)
     cal.add_argument("--rounds", type=int, required=True)
     _sampling_arguments(cal)
     cal.add_argument("--placement", type=str, default="central", help="central, distributed or local")
     cal.add_argument("--accountant", type=str, default="rdp")
+    cal.add_argument("--secure", type=bool, default=False,
+                     help="cohorts unknown in advance: bound participations with a binomial tail (local/distributed)")
     sub.add_subcommand("calibrate", cal, help="noise multiplier for a target (epsilon, delta)")
-    plan = ArgumentParser()
+    plan = DpflArgumentParser()
     plan.add_argument("--epsilon", type=float, required=True)
     plan.add_argument("--delta", type=float, required=True)
     plan.add_argument("--noise", type=list[float], required=True, help="noise multipliers, e.g. [10,20,40,80]")
@@ -99,14 +224,54 @@ def _sampling_arguments(p: ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="for local noise: which clients the seed samples")
 
 
+# ---------------------------------------------------------------------------------------- sweep, report
+def sweep_parser() -> ArgumentParser:
+    p = DpflArgumentParser(description="Run every configuration of a W&B-format sweep file (method grid or "
+                                       "random) as its own `dpfl fit` run, one after the other; a rerun skips "
+                                       "the runs that finished and retries the ones that failed.")
+    p.add_argument("sweep_file", type=str, help="the sweep YAML (W&B format: method, parameters, command, ...)")
+    p.add_argument("--dir", type=str | None, default=None,
+                   help="the sweep's directory: runs/, logs/, done/ (default: sweeps/<sweep name>)")
+    p.add_argument("--mpi", type=int | None, default=None,
+                   help="run each configuration under `mpiexec -n MPI python -m mpi4py`")
+    p.add_argument("--jobs", type=int, default=1, help="configurations run at the same time")
+    p.add_argument("--count", type=int | None, default=None,
+                   help="random search: number of runs (default: run_cap of the file); grid: run at most this many")
+    p.add_argument("--seed", type=int, default=0, help="random search: seed of the parameter draws")
+    p.add_argument("--dry_run", type=bool, default=False, help="print the commands, run nothing")
+    return p
+
+
+def report_parser() -> ArgumentParser:
+    p = DpflArgumentParser(description="Plots (PNG) and a Markdown table from the CSV logs of a set of runs.")
+    p.add_argument("runs_dir", type=str, help="directory searched for <run>/version_N/metrics.csv "
+                                              "(a sweep directory: its runs/)")
+    p.add_argument("--metric", type=str | None, default=None,
+                   help="metric(s) to report, comma-separated (default: the first of test_acc, val_acc, "
+                        "test_loss, val_loss, ... that was logged; else all)")
+    p.add_argument("--out", type=str | None, default=None, help="output directory (default: RUNS_DIR/report)")
+    return p
+
+
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="dpfl", description="Differentially private federated learning on Lightning modules.")
+    parser = DpflArgumentParser(prog="dpfl", description="Differentially private federated learning on Lightning modules.")
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("fit", fit_parser(), help="train")
-    privacy = ArgumentParser(description="Privacy accounting without training.")
+    privacy = DpflArgumentParser(description="Privacy accounting without training.")
     sub.add_subcommand("privacy", privacy, help="epsilon, calibration and round planning")
     add_privacy_subcommands(privacy)
+    sub.add_subcommand("sweep", sweep_parser(), help="run the configurations of a W&B-format sweep file")
+    sub.add_subcommand("report", report_parser(), help="plots and tables from the CSV logs of runs")
     return parser
+
+
+def expect_model_labels(model: Any, data: Any) -> None:
+    """A classifier's ``num_classes`` bounds the labels: have the data check them when it is set up
+    (one line naming the data and the setting) instead of failing mid-training."""
+    hp = getattr(model, "hparams", None)
+    n = hp.get("num_classes") if hasattr(hp, "get") else getattr(model, "num_classes", None)
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1 and hasattr(data, "expect_labels"):
+        data.expect_labels(n, "model.init_args.num_classes")
 
 
 def run_fit(parser: ArgumentParser, cfg: Any) -> Any:
@@ -121,6 +286,7 @@ def run_fit(parser: ArgumentParser, cfg: Any) -> Any:
     trainer.config = cfg.fit.clone().as_dict()
     trainer.config.pop("config", None)
     trainer.config.pop("resume", None)
+    expect_model_labels(fit.model, fit.data)
     trainer.fit(fit.model, fit.data, ckpt_path=cfg.fit.resume)
     return trainer
 
@@ -161,9 +327,19 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.command == "fit":
             run_fit(parser, cfg)
         elif cfg.command == "privacy":
-            from dpfl_lightning.privacy import report
+            from dpfl_lightning import privacy_cli
 
-            report.run(parser, cfg)
+            privacy_cli.run(parser, cfg)
+        elif cfg.command == "sweep":
+            from dpfl_lightning import sweep
+
+            code = sweep.run_from_cli(cfg.sweep)
+            if code:
+                sys.exit(code)
+        elif cfg.command == "report":
+            from dpfl_lightning import reporting
+
+            reporting.run_from_cli(cfg.report)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear line and a status

@@ -255,6 +255,29 @@ class FederatedLightningModule:
         return self.working.numel()
 
     @property
+    def parameter_slices(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every parameter of the wrapped module in the flat buffers."""
+        return list(self._slices)
+
+    @property
+    def parameter_list(self) -> list[torch.nn.Parameter]:
+        """The wrapped module's parameters, in the order of the flat buffers."""
+        return list(self._params)
+
+    @property
+    def automatic_optimization(self) -> bool:
+        return self._automatic
+
+    @property
+    def overridden_step_hooks(self) -> list[str]:
+        """The per-batch hooks the module overrides (Lightning's defaults are called directly)."""
+        return [h for h, on in self._overridden.items() if on]
+
+    def set_round(self, round_idx: int) -> None:
+        """``self.trainer.current_epoch`` of the wrapped module is the round."""
+        self._shim.current_epoch = round_idx
+
+    @property
     def has_validation_step(self) -> bool:
         return self._has_val
 

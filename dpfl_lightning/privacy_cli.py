@@ -10,40 +10,38 @@ from rich.table import Table
 
 from dpfl_lightning.comm import LocalCommunicator
 from dpfl_lightning.errors import require
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
-from dpfl_lightning.privacy.calibrate import calibrate_release, max_steps
-from dpfl_lightning.privacy.events import Mechanism, guarantee
-from dpfl_lightning.privacy.ledger import PrivacyLedger
+from dpfl_lightning.privacy.calibrate import max_steps
+from dpfl_lightning.privacy.guarantees import default_delta, guarantees
+from dpfl_lightning.privacy.mechanisms import Mechanism
+from dpfl_lightning.privacy.planning import PrivacyPlanner
+from dpfl_lightning.rng import RandomSource
+from dpfl_lightning.run_setup import prepare_privacy, setup_plugins
 from dpfl_lightning.sampling import ClientSampler
 
 
 def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: float | None = None) -> PrivacyLedger:
-    """Set up what the privacy ledger needs (data split, sampler, the mechanisms' plugins) and
-    return the ledger, without a model or any training."""
+    """Set up what the privacy ledger needs (data split, sampler, the plugins' mechanisms and
+    calibration) and return the ledger, without a model or any training."""
     trainer.comm = trainer.comm or LocalCommunicator()
-    trainer.prepare_sampling(data)
     ledger = next((p for p in trainer.plugins if isinstance(p, PrivacyLedger)), None)
-    if ledger is None:
+    if ledger is None and (accountant is not None or delta is not None):
         ledger = PrivacyLedger()
         trainer.plugins.append(ledger)
     if accountant is not None:
         ledger.accountant = accountant
     if delta is not None:
         ledger.delta = delta
-    for p in trainer.plugins:  # only what declares or bounds a mechanism; nothing touches a model
-        if p is not ledger and (type(p).privacy_mechanism is not FederatedCallback.privacy_mechanism
-                                or type(p).__name__ in ("UpdateClipping", "UpdateNormalization")):
-            p.setup(trainer=trainer, module=None)
-    ledger.setup(trainer=trainer, module=None)
-    return ledger
+    ctx = prepare_privacy(trainer, data)
+    return setup_plugins(trainer, ctx) or PrivacyLedger()
 
 
 def _print_epsilon(trainer: Any, ledger: PrivacyLedger) -> None:
     if not ledger.guarantees:
         print("no DP mechanism is configured: no privacy guarantee (epsilon = inf)")
         return
-    eps = ledger.planned_epsilons(trainer, trainer.rounds)
+    eps = ledger.planned_epsilons(trainer.rounds)
     for g, line in zip(ledger.guarantees, ledger.describe()):
         note = ledger.method_notes.get(g.name, "")
         print(f"epsilon = {eps[g.name]:.4f} after {trainer.rounds} rounds: {line}" + (f" [{note}]" if note else ""))
@@ -56,19 +54,25 @@ def _sampler(cfg: Any) -> ClientSampler:
 
 def _calibrate(cfg: Any) -> None:
     sampler = _sampler(cfg)
-    g = guarantee(Mechanism("cli", "client", cfg.placement, 1.0, 1.0), sampler)
-    steps = cfg.rounds
-    if g.per_client:
-        steps = int(sampler.participation_counts(cfg.seed, cfg.rounds).max())
-    t0 = time.perf_counter()
-    z_release = calibrate_release(g.release, cfg.epsilon, cfg.delta, steps, cfg.accountant)
-    took = time.perf_counter() - t0
-    z = z_release / g.release.noise_multiplier
-    from dataclasses import replace
+    require(0 < cfg.delta < 1.0 / cfg.clients, "--delta", cfg.delta,
+            f"client-level DP over {cfg.clients} clients needs delta well below 1/{cfg.clients} (a mechanism that "
+            f"publishes one client in full would meet delta >= 1/{cfg.clients})", f"set --delta <= {default_delta(cfg.clients):g}")
+    random = RandomSource(cfg.seed)
+    planner = PrivacyPlanner(sampler.accounted(), cfg.rounds,
+                             None if cfg.secure else (lambda rounds: sampler.participation_counts(random, rounds)),
+                             lambda n: 1, cfg.clients)
 
-    achieved = epsilon(replace(g.release, noise_multiplier=z_release), steps, cfg.delta, cfg.accountant)
+    def main(z: float):
+        return guarantees([Mechanism.gaussian("cli", z, 1.0, cfg.placement, ("update",))], sampler.accounted())[0]
+
+    t0 = time.perf_counter()
+    z = planner.calibrate(main, cfg.epsilon, cfg.delta, cfg.accountant)
+    took = time.perf_counter() - t0
+    g = main(z)
+    steps = planner.compositions(g, g.profiles[0], cfg.delta)
+    achieved = epsilon(g.release, steps, cfg.delta - planner.tail(cfg.delta), cfg.accountant)
     print(f"noise_multiplier = {z:.6g}  (sigma = z * C; epsilon {achieved.epsilon:.4f} at delta "
-                    f"{cfg.delta:g} after {cfg.rounds} rounds, {achieved.method}; {g.description}; {took:.3f} s)")
+          f"{cfg.delta:g} after {cfg.rounds} rounds, {achieved.method}; {g.description}; {took:.3f} s)")
 
 
 def _plan(cfg: Any) -> None:

@@ -1,58 +1,265 @@
 """Randomness keyed by (seed, round, client, purpose), never by rank.
 
-Every random draw in a run (which clients a round samples, how a client shuffles its data, the
-dropout masks inside its steps, the Gaussian noise it adds) comes from a generator seeded by
-:func:`key`. Ranks therefore draw the same numbers for the same client whoever trains it, and a run
-resumed at round ``r`` draws what the uninterrupted run drew.
+Every random draw of a run -- which clients a round samples, how a client shuffles or samples its
+records, the dropout masks of its steps, the noise it adds, the server's noise -- comes from a
+stream keyed by ``(seed, round, client, purpose)``. Ranks therefore draw the same numbers for the
+same client whoever trains it, and a run resumed at round ``r`` draws what the uninterrupted run drew.
+
+Keys are 128 bits (BLAKE2b of the four parts) and the generators really use all of them:
+
+- **simulation** (the default): a CPU stream is torch's Mersenne Twister with its whole 19,968-bit
+  state expanded from the key (SHAKE-256), so ``torch.randn`` & co. run at full speed on it. torch's
+  own ``manual_seed`` would keep only 32 bits of a seed, making two streams in ~2^16 collide. A
+  CUDA stream is torch's Philox with a 64-bit key and a 64-bit counter offset, both from the key.
+  Everything is reproducible from the seed -- so anyone who knows the seed (it is in the config and
+  the logs) knows every cohort and can subtract every noise draw: the privacy guarantee of a
+  simulation holds only towards someone who does not know the seed.
+- **secure** (``FederatedTrainer(secure=True)``): a 256-bit secret from :mod:`secrets`, drawn on
+  rank 0 and sent to the other ranks, never logged or checkpointed, keys BLAKE2b (keyed mode) and
+  the streams that matter for privacy (noise, cohorts, DP-SGD batches, coins) are SHAKE-256 in
+  counter mode: a CSPRNG. Gaussian noise is then drawn in float64 from 53-bit uniforms (Box-Muller)
+  as the sum of four Gaussians of half the standard deviation, the mitigation of floating-point
+  attacks on Gaussian samplers that Opacus's secure mode uses (Holohan & Braghin 2021,
+  arXiv:2107.10138; the attacks: Mironov 2012, Jin et al. 2022, arXiv:2112.05307). It is a
+  mitigation, not a proof: a discrete Gaussian on an integer grid would be the exact remedy.
+  Secure streams cost ~20x torch's ``randn`` per normal on a CPU core (``benchmarks/rng_cost.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import secrets
+import struct
+
+import numpy as np
 import torch
 
-_MASK = (1 << 64) - 1
-
 # Purposes: distinct streams for distinct uses of the same (seed, round, client).
-SAMPLING = 1
-CLIENT_TRAIN = 2
-CLIENT_NOISE = 3
-CENTRAL_NOISE = 4
-SERVER = 5
-DATA = 6
-PLUGIN = 7  # plugins add their own offset (e.g. PLUGIN + 10) for further streams
+SAMPLING = 1  # the round's cohort (client = SERVER)
+CLIENT_TRAIN = 2  # torch's global generators during a client's local training (dropout ...)
+CLIENT_NOISE = 3  # local noise / distributed noise shares
+CENTRAL_NOISE = 4  # noise on the aggregate (client = SERVER)
+SERVER = 5  # other server-side draws
+DATA = 6  # a client's shuffling of its records (not a privacy mechanism)
+RECORD_SAMPLING = 7  # DP-SGD's batches (part of the accounted mechanism)
+RECORD_NOISE = 8  # DP-SGD's noise
+COIN = 9  # shared coins that change the round plan (ScaffNew)
+PLUGIN = 100  # plugins add their own offset (e.g. PLUGIN + 10) for further streams
 
-SERVER_CLIENT = -1  # the "client" index used for draws that belong to the server
+SERVER_CLIENT = -1  # the "client" of draws that belong to the server
 
+# Purposes whose draws a DP guarantee relies on: secure mode draws them from the CSPRNG.
+PRIVATE_PURPOSES = frozenset({SAMPLING, CLIENT_NOISE, CENTRAL_NOISE, RECORD_SAMPLING, RECORD_NOISE, COIN})
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-def key(seed: int, round_idx: int, client: int, purpose: int) -> int:
-    """A 63-bit seed that depends on every argument and on nothing else."""
-    h = _splitmix64(seed & _MASK)
-    for part in (round_idx, client, purpose):
-        h = _splitmix64(h ^ (part & _MASK))
-    return h & ((1 << 63) - 1)
+_MT_WORDS = 624
+_STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) since torch 1.x
 
 
-def generator(seed: int, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh ``torch.Generator`` on ``device`` seeded with :func:`key`."""
+def _encode(*parts: int) -> bytes:
+    out = bytearray()
+    for p in parts:
+        p = int(p)
+        raw = p.to_bytes((p.bit_length() + 8) // 8 or 1, "little", signed=True)
+        out += struct.pack("<B", len(raw)) + raw
+    return bytes(out)
+
+
+def derive_key(seed: int, round_idx: int, client: int, purpose: int, secret: bytes | None = None) -> bytes:
+    """The 128-bit key of one stream: BLAKE2b of the parts, keyed by ``secret`` in secure mode."""
+    if secret is None:
+        h = hashlib.blake2b(_encode(seed, round_idx, client, purpose), digest_size=16, person=b"dpfl-sim")
+    else:
+        h = hashlib.blake2b(_encode(seed, round_idx, client, purpose), digest_size=16, key=secret, person=b"dpfl-sec")
+    return h.digest()
+
+
+def _mt_state(key: bytes) -> torch.Tensor:
+    """torch's CPU generator state (``CPUGeneratorImplState``) with the Mersenne Twister's 624
+    words expanded from ``key``; the next draw starts with a fresh twist of that state."""
+    words = np.frombuffer(hashlib.shake_256(b"dpfl-mt" + key).digest(4 * _MT_WORDS), dtype="<u4")
+    buf = np.zeros(_STATE_BYTES, dtype=np.uint8)
+    head = buf[:24].view("<u8")  # the_initial_seed (u64), left/seeded (i32, i32), next (u64)
+    head[0] = int.from_bytes(key[:8], "little")
+    buf[8:16].view("<i4")[:] = (1, 1)  # left = 1 (twist before the first draw), seeded = 1
+    buf[24 : 24 + 8 * _MT_WORDS].view("<u8")[:] = words
+    return torch.from_numpy(buf)
+
+
+def _check_state_layout() -> None:
+    g = torch.Generator()
+    if g.get_state().numel() != _STATE_BYTES:  # pragma: no cover - a torch that changed its layout
+        raise RuntimeError("torch's CPU generator state has an unexpected layout; dpfl_lightning.rng needs updating")
+
+
+_check_state_layout()
+
+
+def torch_generator(key: bytes, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch generator on ``device`` that uses every bit of the 128-bit ``key``."""
+    device = torch.device(device)
     g = torch.Generator(device=device)
-    g.manual_seed(key(seed, round_idx, client, purpose))
+    if device.type == "cpu":
+        g.set_state(_mt_state(key))
+    else:
+        # Philox: a 64-bit key (the seed) and a counter whose offset (a multiple of 4) takes the
+        # other 64 bits of the key, so streams of distinct keys are disjoint.
+        seed = int.from_bytes(key[:8], "little")
+        offset = (int.from_bytes(key[8:], "little") >> 3) << 2
+        g.manual_seed(seed)
+        g.set_offset(offset) if hasattr(g, "set_offset") else None
     return g
 
 
-def seed_global(seed: int, round_idx: int, client: int, device: torch.device) -> None:
-    """Seed torch's global generator(s) for one client's local training (dropout and the like).
+class Stream:
+    """One stream of random numbers. ``generator`` is a torch generator for code that takes one
+    (shuffles, ``torch.randperm``); privacy mechanisms use the methods, which secure streams
+    implement with the CSPRNG."""
 
-    ``torch.manual_seed`` costs ~100 us because it visits every device; seeding only the CPU
-    generator and the one of ``device`` costs ~1 us.
+    generator: torch.Generator | None = None
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """``n`` float64 values, uniform on [0, 1), on the CPU."""
+        raise NotImplementedError
+
+    def normal(self, shape: tuple[int, ...] | torch.Size, std: float, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``N(0, std^2)`` draws of ``shape``."""
+        raise NotImplementedError
+
+    def add_normal_(self, x: torch.Tensor, std: float) -> torch.Tensor:
+        """``x += N(0, std^2 I)`` in place."""
+        return x.add_(self.normal(x.shape, 1.0, x.device, x.dtype), alpha=std)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        """A uniformly random permutation of ``range(n)`` (int64, CPU)."""
+        return torch.argsort(self.uniform(n))
+
+
+class TorchStream(Stream):
+    """Simulation streams: torch's generators keyed with the full 128-bit key."""
+
+    def __init__(self, key: bytes, device: torch.device | str = "cpu") -> None:
+        self.key = key
+        self.device = torch.device(device)
+        self._cpu: torch.Generator | None = None
+        self.generator = torch_generator(key, self.device)
+
+    @property
+    def cpu_generator(self) -> torch.Generator:
+        if self.device.type == "cpu":
+            return self.generator
+        if self._cpu is None:
+            self._cpu = torch_generator(self.key, "cpu")
+        return self._cpu
+
+    def uniform(self, n: int) -> torch.Tensor:
+        return torch.rand(n, generator=self.cpu_generator, dtype=torch.float64)
+
+    def normal(self, shape, std, device="cpu", dtype=torch.float32):
+        device = torch.device(device)
+        g = self.generator if device.type == self.device.type else torch_generator(self.key, device)
+        out = torch.randn(shape, generator=g, device=device, dtype=dtype)
+        return out.mul_(std) if std != 1.0 else out
+
+    def add_normal_(self, x: torch.Tensor, std: float) -> torch.Tensor:
+        g = self.generator if x.device.type == self.device.type else torch_generator(self.key, x.device)
+        return x.add_(torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype), alpha=std)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.cpu_generator)
+
+
+_CHUNK = 1 << 20  # bytes of SHAKE-256 output per block
+
+
+class SecureStream(Stream):
+    """A CSPRNG stream: SHAKE-256 of (key, block counter), read block after block."""
+
+    def __init__(self, key: bytes, torch_key: bytes | None = None) -> None:
+        self._key = key
+        self._block = 0
+        self._buf = b""
+        self._pos = 0
+        # torch code that needs a generator (shuffles that no guarantee relies on) gets one keyed
+        # from the secret as well: unpredictable without it, though not a CSPRNG.
+        self.generator = torch_generator(torch_key or key, "cpu")
+
+    def _bytes(self, n: int) -> bytes:
+        parts = []
+        while n > 0:
+            if self._pos >= len(self._buf):
+                self._buf = hashlib.shake_256(self._key + self._block.to_bytes(8, "little")).digest(_CHUNK)
+                self._block += 1
+                self._pos = 0
+            take = min(n, len(self._buf) - self._pos)
+            parts.append(self._buf[self._pos : self._pos + take])
+            self._pos += take
+            n -= take
+        return b"".join(parts)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        raw = np.frombuffer(self._bytes(8 * n), dtype="<u8") >> np.uint64(11)
+        return torch.from_numpy(raw.astype(np.float64) * 2.0**-53)
+
+    def _standard_normals(self, n: int) -> torch.Tensor:
+        """``n`` N(0, 1) values in float64 (Box-Muller on 53-bit uniforms)."""
+        half = (n + 1) // 2
+        u = self.uniform(2 * half)
+        r = torch.sqrt(-2.0 * torch.log1p(-u[:half]))  # 1 - u in (0, 1]: log is finite
+        theta = (2.0 * math.pi) * u[half:]
+        return torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n]
+
+    def normal(self, shape, std, device="cpu", dtype=torch.float32):
+        n = math.prod(shape)
+        # Sum of four N(0, std^2 / 4) draws (Holohan & Braghin 2021), in float64.
+        z = self._standard_normals(4 * n).view(4, n).sum(0).mul_(0.5 * std)
+        return z.view(tuple(shape)).to(device=device, dtype=dtype)
+
+
+class RandomSource:
+    """Every stream of a run: ``stream(round, client, purpose)``.
+
+    Args:
+        seed: the run's seed (logged; keys every stream in simulation mode).
+        secret: secure mode: a secret of at least 16 bytes shared by the ranks (never logged or
+            checkpointed); see :func:`new_secret`.
     """
-    s = key(seed, round_idx, client, CLIENT_TRAIN)
-    torch.default_generator.manual_seed(s)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(s)
+
+    def __init__(self, seed: int, secret: bytes | None = None) -> None:
+        if secret is not None and len(secret) < 16:
+            raise ValueError("the secret of secure mode must have at least 128 bits")
+        self.seed = int(seed)
+        self._secret = secret
+
+    @property
+    def secure(self) -> bool:
+        return self._secret is not None
+
+    def key(self, round_idx: int, client: int, purpose: int) -> bytes:
+        return derive_key(self.seed, round_idx, client, purpose, self._secret)
+
+    def stream(self, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu") -> Stream:
+        key = self.key(round_idx, client, purpose)
+        if self.secure and purpose in PRIVATE_PURPOSES:
+            return SecureStream(key, derive_key(self.seed, round_idx, client, purpose + 10_000, self._secret))
+        return TorchStream(key, device)
+
+    def generator(self, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """A torch generator for draws no guarantee relies on (shuffles, dropout)."""
+        return torch_generator(self.key(round_idx, client, purpose), device)
+
+    def seed_torch(self, round_idx: int, client: int, device: torch.device) -> None:
+        """Set torch's global generators (CPU, and ``device``'s) for one client's local training
+        (dropout masks and the like)."""
+        key = self.key(round_idx, client, CLIENT_TRAIN)
+        torch.default_generator.set_state(_mt_state(key))
+        if device.type == "cuda":
+            g = torch.cuda.default_generators[device.index or 0]
+            g.manual_seed(int.from_bytes(key[:8], "little"))
+            g.set_offset((int.from_bytes(key[8:], "little") >> 3) << 2) if hasattr(g, "set_offset") else None
+
+
+def new_secret() -> bytes:
+    """A fresh 256-bit secret for secure mode."""
+    return secrets.token_bytes(32)

@@ -4,25 +4,49 @@
 - ``poisson``: every client independently with probability ``q`` (random cohort size, mean ``qM``);
 - ``full``: all ``M`` clients every round (``q = 1``).
 
-The privacy accountant assumes exactly the sampler used here (see :mod:`dpfl_lightning.privacy`).
+Cohorts are drawn from the stream keyed by (seed, round, server, SAMPLING) -- the CSPRNG in secure
+mode -- in O(cohort) time and memory, so populations of millions cost nothing per round:
+``uniform`` draws client ids with replacement and keeps the first ``m`` distinct ones (a uniformly
+random ``m``-subset; the complement is drawn when ``m > M/2``), ``poisson`` jumps from member to
+member with geometric gaps. The privacy accountant assumes exactly the sampler used here.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import require
+from dpfl_lightning.privacy.guarantees import Sampling
 
 SAMPLERS = ("uniform", "poisson", "full")
 
 
+def _distinct_uniform(stream: rng.Stream, population: int, k: int) -> np.ndarray:
+    """``k`` distinct ids of ``range(population)``, a uniformly random subset (sorted)."""
+    chosen: list[np.ndarray] = []
+    have = 0
+    seen = np.empty(0, dtype=np.int64)
+    while have < k:
+        need = k - have
+        # enough draws that, with the expected repeats, one batch usually suffices
+        draws = int(need * population / max(population - have - need / 2, 1)) + 16
+        ids = np.floor(stream.uniform(draws).numpy() * population).astype(np.int64)
+        _, first = np.unique(ids, return_index=True)
+        fresh = ids[np.sort(first)]  # in order of first appearance
+        fresh = fresh[~np.isin(fresh, seen)][:need]
+        chosen.append(fresh)
+        seen = np.concatenate([seen, fresh])
+        have += len(fresh)
+    return np.sort(seen)
+
+
 @dataclass(frozen=True)
 class ClientSampler:
-    """Draw round ``r``'s cohort from ``num_clients`` clients, keyed by (seed, r)."""
+    """Draw round ``r``'s cohort from ``num_clients`` clients."""
 
     kind: str
     num_clients: int
@@ -55,21 +79,61 @@ class ClientSampler:
         """Probability that a given client takes part in a round."""
         return self.expected_cohort / self.num_clients
 
-    def sample(self, seed: int, round_idx: int) -> list[int]:
-        """The sorted client ids of round ``round_idx``."""
-        if self.kind == "full":
-            return list(range(self.num_clients))
-        g = rng.generator(seed, round_idx, rng.SERVER_CLIENT, rng.SAMPLING)
-        if self.kind == "uniform":
-            chosen = torch.randperm(self.num_clients, generator=g)[: self.clients_per_round]
-        else:
-            chosen = torch.nonzero(torch.rand(self.num_clients, generator=g, dtype=torch.float64) < self.rate).flatten()
-        return sorted(int(c) for c in chosen)
+    @property
+    def cohort_size_is_public(self) -> bool:
+        """Fixed-size cohorts reveal nothing by their size; a Poisson cohort's size is random."""
+        return self.kind != "poisson"
 
-    def participation_counts(self, seed: int, rounds: int) -> np.ndarray:
-        """How often each client takes part in rounds ``0 .. rounds-1``: known before training,
-        since cohorts are keyed by the seed (used to calibrate and plan per-client guarantees)."""
+    def accounted(self) -> Sampling:
+        """What the privacy accountant is told about this sampler."""
+        return Sampling(self.kind, self.num_clients, self.sampling_rate, self.clients_per_round)
+
+    def sample(self, random: rng.RandomSource, round_idx: int) -> list[int]:
+        """The sorted client ids of round ``round_idx``."""
+        M = self.num_clients
+        if self.kind == "full":
+            return list(range(M))
+        stream = random.stream(round_idx, rng.SERVER_CLIENT, rng.SAMPLING)
+        if self.kind == "uniform":
+            m = self.clients_per_round
+            if m == M:
+                return list(range(M))
+            if m <= M // 2:
+                return _distinct_uniform(stream, M, m).tolist()
+            out = np.ones(M, dtype=bool)
+            out[_distinct_uniform(stream, M, M - m)] = False
+            return np.flatnonzero(out).tolist()
+        return self._poisson(stream).tolist()
+
+    def _poisson(self, stream: rng.Stream) -> np.ndarray:
+        q, M = self.rate, self.num_clients
+        if q >= 1.0:
+            return np.arange(M)
+        if q > 0.25:  # dense: one uniform per client is cheaper than the gaps
+            return np.flatnonzero(stream.uniform(M).numpy() < q)
+        # gaps between members are Geometric(q): floor(log(U) / log(1 - q)) non-members
+        log1q = math.log1p(-q)
+        members: list[np.ndarray] = []
+        pos = -1
+        batch = int(q * M + 4 * math.sqrt(q * M) + 16)
+        while True:
+            u = stream.uniform(batch).numpy()
+            gaps = np.floor(np.log1p(-u) / log1q).astype(np.int64)  # 1 - U in (0, 1]
+            steps = np.cumsum(gaps + 1) + pos
+            inside = steps[steps < M]
+            members.append(inside)
+            if len(inside) < len(steps):
+                return np.concatenate(members)
+            pos = int(steps[-1])
+
+    def participation_counts(self, random: rng.RandomSource, rounds: int, start: int = 0) -> np.ndarray:
+        """How often each client takes part in rounds ``start .. rounds-1`` (O(rounds x cohort)):
+        known before training in a simulation, since cohorts are keyed by the seed."""
         counts = np.zeros(self.num_clients, dtype=np.int64)
-        for r in range(rounds):
-            counts[self.sample(seed, r)] += 1
+        if self.kind == "full":
+            counts += rounds - start
+            return counts
+        for r in range(start, rounds):
+            np.add.at(counts, self.sample(random, r), 1)
         return counts
+

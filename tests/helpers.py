@@ -62,9 +62,9 @@ class Recorder(FederatedCallback):
         self.clients: list[int] = []
         self.aggregates: list[torch.Tensor] = []
 
-    def on_client_end(self, *, trainer, result) -> None:
-        self.updates.append(result.update.detach().clone())
-        self.clients.append(result.client)
+    def on_client_end(self, *, client) -> None:
+        self.updates.append(client.update.detach().clone())
+        self.clients.append(client.client)
 
-    def on_aggregate(self, *, trainer, aggregate) -> None:
-        self.aggregates.append(aggregate.update_sum.detach().clone())
+    def on_aggregate(self, *, server) -> None:
+        self.aggregates.append(server.aggregate.update_sum.detach().clone())

@@ -16,8 +16,8 @@ from helpers import TinyClassifier, quiet_trainer, tiny_data
 class Participation(FederatedCallback):
     """Per-client state: how often each client trained (lives with the client, not the rank)."""
 
-    def on_client_end(self, *, trainer, result):
-        state = trainer.client_state(result.client)
+    def on_client_end(self, *, client):
+        state = client.state
         state["n"] = state.get("n", 0) + 1
 
 
@@ -37,8 +37,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     first = os.path.join(full.checkpoint_dir, "round-000003.ckpt")
     state = ckpt.load(first)
     assert state["round"] == 3
-    server = next(p for p in state["plugins"] if p["class"] == "ServerOptimizer")
-    momentum = server["state"]["optimizer"]["state"][0]["momentum_buffer"]
+    momentum = state["plugins"]["ServerOptimizer"]["optimizer"]["state"][0]["momentum_buffer"]
     assert torch.count_nonzero(momentum) > 0  # the server optimizer's state is saved
     assert state["client_states"] and all(isinstance(c, int) for c in state["client_states"])
 
@@ -90,3 +89,51 @@ def test_no_checkpoint_files_unless_asked(tmp_path):
     t = _trainer(str(tmp_path / "a"))
     t.fit(TinyClassifier(), tiny_data())
     assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
+
+
+class Counter(FederatedCallback):
+    """A stateful server-side plugin: counts rounds."""
+
+    def __init__(self):
+        self.n = 0
+
+    def on_round_end(self, *, server, metrics):
+        self.n += 1
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+class Logger(FederatedCallback):
+    """A stateless plugin added on resume."""
+
+    def on_round_end(self, *, server, metrics):
+        metrics["logger_round"] = float(server.round_idx)
+
+
+def test_state_is_keyed_so_a_stateless_plugin_can_be_added_on_resume(tmp_path):
+    def trainer(log_dir, plugins, **kw):
+        return quiet_trainer(log_dir, rounds=4, clients_per_round=3, plugins=plugins, seed=5, **kw)
+
+    a_counter, a_part = Counter(), Participation()
+    a = trainer(str(tmp_path / "a"), [a_counter, a_part, ServerOptimizer("sgd", lr=1.0, momentum=0.5)], checkpoint_every=2)
+    ref = a.fit(TinyClassifier(), tiny_data())
+    mid = os.path.join(a.checkpoint_dir, "round-000002.ckpt")
+    b_counter = Counter()
+    b = trainer(str(tmp_path / "b"), [b_counter, Logger(), Participation(), ServerOptimizer("sgd", lr=1.0, momentum=0.5)])
+    out = b.fit(TinyClassifier(), tiny_data(), ckpt_path=mid)
+    assert torch.equal(out.global_params, ref.global_params)
+    assert b_counter.n == a_counter.n == 4
+    # a stateful plugin missing from the new run is refused: its state would be lost silently
+    c = trainer(str(tmp_path / "c"), [Participation(), ServerOptimizer("sgd", lr=1.0, momentum=0.5)])
+    with pytest.raises(ConfigError, match="Counter"):
+        c.fit(TinyClassifier(), tiny_data(), ckpt_path=mid)
+
+
+def test_two_stateful_plugins_of_one_class_need_distinct_keys(tmp_path):
+    trainer = quiet_trainer(str(tmp_path), rounds=1, clients_per_round=2, plugins=[Counter(), Counter()])
+    with pytest.raises(ConfigError, match="state_key"):
+        trainer.fit(TinyClassifier(), tiny_data())

@@ -6,6 +6,7 @@ import torch
 
 from dpfl_lightning import ConfigError, FederatedDataModule
 from dpfl_lightning.data import Digits, NpzFile, QuadraticClients, SyntheticLogistic, partition, quadratic_problem
+from dpfl_lightning.rng import DATA, RandomSource
 
 LABELS = np.repeat(np.arange(10), 100)  # 1000 samples, 100 per class
 
@@ -107,13 +108,13 @@ def test_digits_bundled_and_partitioned():
 
 def test_client_batches_epochs_steps_and_full_batch():
     d = FederatedDataModule.from_tensors(torch.arange(40.0).reshape(20, 2), torch.arange(20) % 2, num_clients=2)
-    g = torch.Generator().manual_seed(0)
-    batches = list(d.client_batches(0, 3, epochs=2, generator=g))
+    g = RandomSource(0).stream(0, 0, DATA)
+    batches = list(d.client_batches(0, 3, epochs=2, stream=g))
     assert [b[0] for b in batches] == [0] * 4 + [1] * 4
     seen = torch.cat([b[2][1] for b in batches[:4]])
     assert len(seen) == 10
-    assert len(list(d.client_batches(0, 3, steps=7, generator=g))) == 7
-    full = list(d.client_batches(0, None, epochs=1, generator=g))
+    assert len(list(d.client_batches(0, 3, steps=7, stream=g))) == 7
+    full = list(d.client_batches(0, None, epochs=1, stream=g))
     assert len(full) == 1 and full[0][2][0].shape[0] == 10
 
 

@@ -16,7 +16,7 @@ from dpfl_lightning import ConfigError
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping, UpdateNormalization
 from dpfl_lightning.privacy import GaussianRelease, calibrate_noise, epsilon, max_steps
 from dpfl_lightning.privacy.accountants import DEFAULT_RDP_ORDERS, fast_rdp_poisson_gaussian, rdp_curve
-from dpfl_lightning.privacy.ledger import PrivacyLedger
+from dpfl_lightning.plugins import PrivacyLedger
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 
@@ -173,7 +173,7 @@ def test_resumed_ledger_continues_exactly(tmp_path):
     assert [h["epsilon"] for h in b.history] == [h["epsilon"] for h in a.history]
     la = [p for p in a.plugins if isinstance(p, PrivacyLedger)][0]
     lb = [p for p in b.plugins if isinstance(p, PrivacyLedger)][0]
-    assert lb.rounds == la.rounds == 6 and np.array_equal(lb.counts, la.counts)
+    assert lb.rounds == la.rounds == 6 and np.array_equal(lb.counts["client_local"], la.counts["client_local"])
 
 
 def test_local_noise_counts_only_participations(log_dir):
@@ -182,8 +182,8 @@ def test_local_noise_counts_only_participations(log_dir):
     trainer.fit(TinyClassifier(), tiny_data(num_clients=20))
     counts = np.zeros(20, dtype=int)
     for r in range(8):
-        counts[trainer.sampler.sample(trainer.seed, r)] += 1
-    assert np.array_equal(ledger.counts, counts) and counts.max() < 8
+        counts[trainer.sampler.sample(trainer.run.random, r)] += 1
+    assert np.array_equal(ledger.counts["client_local"], counts) and counts.max() < 8
     # each participation is one Gaussian release with multiplier sigma / 2C (replace-one)
     expected = _reference_rdp(1.0, 1.5 / 2, int(counts.max()), 1e-4, NeighboringRelation.REPLACE_ONE)
     assert trainer.history[-1]["epsilon"] == expected

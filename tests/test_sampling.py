@@ -1,32 +1,74 @@
-"""Client samplers: fixed-size, Poisson and full participation, keyed by (seed, round)."""
+"""Client samplers: fixed-size, Poisson and full participation, keyed by (seed, round), O(cohort)."""
 
+import numpy as np
 import pytest
-import torch
+from scipy import stats
 
 from dpfl_lightning import ConfigError
+from dpfl_lightning.rng import RandomSource, new_secret
 from dpfl_lightning.sampling import ClientSampler
 
+SRC = RandomSource(0)
 
-def test_uniform_fixed_size_without_replacement():
+
+def test_uniform_fixed_size_without_replacement_and_uniform_inclusion():
     s = ClientSampler("uniform", 100, 10)
-    cohorts = [s.sample(0, r) for r in range(200)]
-    assert all(len(c) == 10 == len(set(c)) for c in cohorts)
-    counts = torch.bincount(torch.tensor(sum(cohorts, [])), minlength=100).double()
-    assert counts.mean() == 20 and counts.std() < 8  # roughly uniform inclusion, ~Binomial(200, 0.1)
-    assert s.sample(0, 3) == s.sample(0, 3) and s.sample(0, 3) != s.sample(1, 3)
+    cohorts = [s.sample(SRC, r) for r in range(2000)]
+    assert all(len(c) == 10 == len(set(c)) and c == sorted(c) for c in cohorts)
+    counts = np.bincount(np.concatenate(cohorts), minlength=100)
+    assert stats.chisquare(counts).pvalue > 1e-4  # every client equally likely
+    pairs = np.zeros((10, 10))  # pairs are equally likely too (a uniformly random subset)
+    for c in cohorts:
+        small = [x for x in c if x < 10]
+        for i in small:
+            for j in small:
+                pairs[i, j] += i != j
+    assert stats.chisquare(pairs[np.triu_indices(10, 1)]).pvalue > 1e-4
+    assert s.sample(SRC, 3) == s.sample(SRC, 3) and s.sample(SRC, 3) != s.sample(RandomSource(1), 3)
 
 
-def test_poisson_rate():
-    s = ClientSampler("poisson", 1000, rate=0.05)
-    sizes = torch.tensor([len(s.sample(0, r)) for r in range(300)], dtype=torch.float64)
-    assert sizes.mean().item() == pytest.approx(50, rel=0.05)  # sd of the mean: sqrt(47.5/300) = 0.4
-    assert sizes.std().item() == pytest.approx((1000 * 0.05 * 0.95) ** 0.5, rel=0.15)
-    assert s.expected_cohort == 50 and s.sampling_rate == 0.05
+def test_uniform_with_most_clients_sampled():
+    s = ClientSampler("uniform", 50, 45)
+    cohorts = [s.sample(SRC, r) for r in range(400)]
+    assert all(len(c) == 45 == len(set(c)) for c in cohorts)
+    assert stats.chisquare(np.bincount(np.concatenate(cohorts), minlength=50)).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("q", [0.05, 0.5])
+def test_poisson_rate(q):
+    s = ClientSampler("poisson", 1000, rate=q)
+    sizes = np.array([len(s.sample(SRC, r)) for r in range(300)], dtype=float)
+    se = (1000 * q * (1 - q) / 300) ** 0.5
+    assert abs(sizes.mean() - 1000 * q) < 5 * se
+    assert sizes.std() == pytest.approx((1000 * q * (1 - q)) ** 0.5, rel=0.15)
+    counts = np.bincount(np.concatenate([s.sample(SRC, r) for r in range(300)]), minlength=1000)
+    assert stats.chisquare(counts).pvalue > 1e-4  # no client favoured
+
+
+def test_a_million_clients():
+    for s in (ClientSampler("uniform", 10**6, 1000), ClientSampler("poisson", 10**6, rate=1e-3)):
+        c = s.sample(SRC, 0)
+        assert len(set(c)) == len(c) and 0 <= min(c) and max(c) < 10**6
+        assert 800 <= len(c) <= 1200
 
 
 def test_full_participation():
     s = ClientSampler("full", 7)
-    assert s.sample(0, 0) == list(range(7)) and s.sampling_rate == 1.0
+    assert s.sample(SRC, 0) == list(range(7)) and s.sampling_rate == 1.0
+
+
+def test_secure_cohorts_differ_between_secrets():
+    s = ClientSampler("uniform", 100, 10)
+    a, b = RandomSource(0, new_secret()), RandomSource(0, new_secret())
+    assert [s.sample(a, r) for r in range(5)] != [s.sample(b, r) for r in range(5)]
+    assert s.sample(a, 2) == s.sample(a, 2)  # every rank (same secret) draws the same cohort
+
+
+def test_participation_counts_match_the_cohorts():
+    s = ClientSampler("poisson", 50, rate=0.2)
+    counts = s.participation_counts(SRC, 30)
+    direct = np.bincount(np.concatenate([s.sample(SRC, r) for r in range(30)]), minlength=50)
+    assert np.array_equal(counts, direct)
 
 
 @pytest.mark.parametrize("kw,setting", [({"kind": "uniform", "num_clients": 5, "clients_per_round": 6}, "trainer.clients_per_round"),

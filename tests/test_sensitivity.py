@@ -6,14 +6,20 @@ import pytest
 import torch
 
 from dpfl_lightning import ConfigError
-from dpfl_lightning.plugins import ClientUpdate, UpdateClipping, UpdateNormalization
+from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.plugins import ClientContext, UpdateClipping, UpdateNormalization
+from dpfl_lightning.rng import RandomSource
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
 
 
+def _client(**payload):
+    return ClientContext(0, 0, RoundPlan(0, (0,)), RandomSource(0), {}, payload=payload)
+
+
 def _apply(plugin, vec):
-    result = ClientUpdate(client=0, round_idx=0, update=vec, num_samples=1, steps=1, lr=0.1)
-    plugin.on_client_end(trainer=None, result=result)
-    return result.update
+    ctx = _client(update=vec)
+    plugin.on_client_end(client=ctx)
+    return ctx.payload["update"]
 
 
 def _norm64(v):
@@ -84,3 +90,25 @@ def test_normalization_in_training_gives_norm_C(log_dir):
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=6, plugins=[UpdateNormalization(3.0), rec])
     trainer.fit(TinyClassifier(lr=0.01), tiny_data())
     assert [pytest.approx(3.0, rel=1e-6)] * 6 == [_norm64(u) for u in rec.updates]
+
+
+@pytest.mark.parametrize("tiny", [1e-40, 1e-45, 1e-30])
+def test_normalizing_a_tiny_update_returns_with_norm_C(tiny):
+    # C / ||u|| overflows float32 for such vectors: the factor is applied in float64
+    for C in (1.0, 40.0):
+        v = torch.full((1000,), tiny, dtype=torch.float32)
+        out = _apply(UpdateNormalization(C), v)
+        assert torch.isfinite(out).all()
+        n = _norm64(out)
+        assert n <= C and (n == pytest.approx(C, rel=1e-5) or n == 0.0)
+
+
+def test_segments_are_bounded_jointly():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(300, generator=g) * 5, torch.randn(40, generator=g) * 5
+    ctx = _client(update=a.clone(), dc=b.clone())
+    UpdateClipping(2.0, segments=["update", "dc"]).on_client_end(client=ctx)
+    joint = math.sqrt(_norm64(ctx.payload["update"]) ** 2 + _norm64(ctx.payload["dc"]) ** 2)
+    assert joint <= 2.0 and joint == pytest.approx(2.0, rel=1e-6)
+    ratio = ctx.payload["update"].double() / a.double()  # one factor for both segments
+    assert torch.allclose(ratio, ctx.payload["dc"].double()[:1] / b.double()[:1], rtol=1e-5)

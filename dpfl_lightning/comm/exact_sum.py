@@ -6,8 +6,8 @@ by all ranks, chosen so that no sum of contributions can need more than float64'
 bits. Then every float64 addition is exact, so any summation order -- within a rank, across ranks,
 inside MPI or NCCL -- gives the same bits:
 
-1. each rank takes the largest magnitude of its rows, per segment (the update vector is one
-   segment, each extra scalar column its own); one ``MAX`` all-reduce of these few numbers makes
+1. each rank takes the largest magnitude of its rows, per payload segment (the update is one
+   segment, each extra vector or scalar its own); one ``MAX`` all-reduce of these few numbers makes
    them global;
 2. with ``max < 2**e`` and ``n`` rows in total, ``L = e + ceil(log2 n) - 51``, so that
    ``n * max < 2**(L + 51)``: every partial sum is a multiple of ``2**L`` below ``2**(L + 53)``;
@@ -42,60 +42,40 @@ class ExactSum:
 
     exact = True
 
-    def __call__(
-        self,
-        rows: torch.Tensor,
-        extras: torch.Tensor,
-        n_rows_total: int,
-        comm: Communicator,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum ``rows`` (``[k, d]``) and ``extras`` (``[k, e]``) over all ranks.
-
-        Returns float64 tensors of shape ``[d]`` and ``[e]``, identical on every rank for any
-        split of the ``n_rows_total`` rows over ranks and any order.
-        """
-        d, e = rows.shape[1], extras.shape[1]
+    def __call__(self, rows: torch.Tensor, segments: list[tuple[int, int]], n_rows_total: int,
+                 comm: Communicator) -> torch.Tensor:
+        """Sum ``rows`` (``[k, D]``) over all ranks, each segment ``(start, end)`` of the columns on
+        its own grid. Returns float64 ``[D]``, identical on every rank for any split of the
+        ``n_rows_total`` rows over ranks and any order."""
+        k, width = rows.shape
         device = rows.device
-        maxes = torch.zeros(1 + e, dtype=torch.float64, device=device)
-        if rows.shape[0] > 0:
-            maxes[0] = rows.abs().amax().double()
-            maxes[1:] = extras.abs().amax(dim=0).double()
+        maxes = torch.zeros(len(segments), dtype=torch.float64, device=device)
+        if k > 0:
+            for i, (a, b) in enumerate(segments):
+                maxes[i] = rows[:, a:b].abs().amax().double()
         comm.allreduce_max_(maxes)
         maxes_host = maxes.tolist()
         if not all(math.isfinite(m) for m in maxes_host):
             raise FloatingPointError("a non-finite value reached the aggregation")
-        magic = torch.tensor([1.5 * 2.0 ** (grid_exponent(m, n_rows_total) + 52) for m in maxes_host],
-                             dtype=torch.float64, device=device)
-        total = torch.zeros(d + e, dtype=torch.float64, device=device)
-        if rows.shape[0] > 0:
+        total = torch.zeros(width, dtype=torch.float64, device=device)
+        if k > 0:
             x = rows.to(torch.float64, copy=True)
-            total[:d] = x.add_(magic[0]).sub_(magic[0]).sum(dim=0)
-            if e:
-                y = extras.to(torch.float64, copy=True)
-                total[d:] = y.add_(magic[1:]).sub_(magic[1:]).sum(dim=0)
+            for (a, b), m in zip(segments, maxes_host):
+                magic = 1.5 * 2.0 ** (grid_exponent(m, n_rows_total) + 52)
+                x[:, a:b].add_(magic).sub_(magic)
+            torch.sum(x, dim=0, out=total)
         comm.allreduce_sum_(total)
-        return total[:d], total[d:]
+        return total
 
 
 class FloatSum:
-    """Plain float64 sum: one all-reduce, reproducible across rank counts only to rounding.
-
-    Use it where exactness is not needed and ``[k, d]`` int64 temporaries would not fit.
-    """
+    """Plain float64 sum: one all-reduce, reproducible across rank counts only to rounding."""
 
     exact = False
 
-    def __call__(
-        self,
-        rows: torch.Tensor,
-        extras: torch.Tensor,
-        n_rows_total: int,
-        comm: Communicator,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        d = rows.shape[1]
-        acc = torch.zeros(d + extras.shape[1], dtype=torch.float64, device=rows.device)
-        if rows.shape[0] > 0:
-            acc[:d] = rows.double().sum(dim=0)
-            acc[d:] = extras.double().sum(dim=0)
-        comm.allreduce_sum_(acc)
-        return acc[:d], acc[d:]
+    def __call__(self, rows: torch.Tensor, segments: list[tuple[int, int]], n_rows_total: int,
+                 comm: Communicator) -> torch.Tensor:
+        total = rows.double().sum(dim=0) if rows.shape[0] else torch.zeros(rows.shape[1], dtype=torch.float64,
+                                                                            device=rows.device)
+        comm.allreduce_sum_(total)
+        return total

@@ -23,6 +23,7 @@ from torch.utils.data import default_collate
 
 from dpfl_lightning.data.partition import PARTITIONS, partition
 from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.rng import Stream
 
 Batch = Any
 
@@ -151,6 +152,7 @@ class FederatedDataModule:
         if self._ready:
             return
         train, test, natural = self.load()
+        self._check_label_range(train, test)
         if natural is not None:
             indices = [torch.as_tensor(ix, dtype=torch.int64) for ix in natural]
             self._num_clients = len(indices)
@@ -169,6 +171,38 @@ class FederatedDataModule:
         if in_memory and test is not None:
             self._test_tensors = tuple(test.tensors) if isinstance(test, TensorDataset) else _materialize(test)
         self._ready = True
+
+    # ------------------------------------------------------------------ label range
+    _label_limits: tuple[tuple[int, str], ...] = ()
+
+    def expect_labels(self, num_classes: int, setting: str) -> None:
+        """Refuse at :meth:`setup` integer labels outside ``0..num_classes-1`` (a classifier with
+        ``num_classes`` outputs would fail on them in the middle of training). ``setting`` names where
+        the number comes from, e.g. ``model.init_args.num_classes`` (the CLI passes the model's)."""
+        self._label_limits = (*self._label_limits, (int(num_classes), setting))
+
+    def _source_setting(self) -> tuple[str, Any]:
+        """The setting (and its value) that names this data in error messages."""
+        return "data", type(self).__name__
+
+    def _check_label_range(self, train: Dataset, test: Dataset | None) -> None:
+        if not self._label_limits:
+            return
+        setting, value = self._source_setting()
+        for split, ds in (("training", train), ("test", test)):
+            cheap = isinstance(ds, TensorDataset) or any(hasattr(ds, a) for a in ("targets", "labels", "y"))
+            if ds is None or (split == "test" and not cheap):
+                continue
+            y = labels_of(ds)
+            if y.ndim != 1 or y.size == 0 or not np.issubdtype(y.dtype, np.integer):
+                continue
+            lo, hi = int(y.min()), int(y.max())
+            for n, where in self._label_limits:
+                if lo < 0 or hi >= n:
+                    outside = int(((y < 0) | (y >= n)).sum())
+                    fix = f"relabel the data as 0..{n - 1}" + (f" or set {where} >= {hi + 1}" if lo >= 0 else "")
+                    raise ConfigError(setting, value, f"the {split} labels span {lo}..{hi}, but {where}={n} means "
+                                      f"labels 0..{n - 1} ({outside} label(s) outside)", fix)
 
     def _hold_out(self, indices: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.client_test_fraction == 0.0:
@@ -197,9 +231,19 @@ class FederatedDataModule:
         return self
 
     # ------------------------------------------------------------------ queries
+    #: whether the global test set is drawn from the clients' own data (then evaluating on it is a
+    #: release about those clients that no DP mechanism covers; a DP run says so)
+    test_set_from_clients: bool = False
+
     @property
     def num_clients(self) -> int:
         return self._num_clients
+
+    @property
+    def in_memory_tensors(self) -> tuple[torch.Tensor, ...] | None:
+        """The training tensors when the data is held in memory (else ``None``)."""
+        self.setup()
+        return self._train_tensors
 
     def client_num_samples(self, client: int) -> int:
         self.setup()
@@ -218,7 +262,7 @@ class FederatedDataModule:
 
     # ------------------------------------------------------------------ batches
     def client_batches(self, client: int, batch_size: int | None, *, epochs: int | None = None,
-                       steps: int | None = None, generator: torch.Generator | None = None,
+                       steps: int | None = None, stream: Stream | None = None,
                        sampling: str = "shuffle") -> Iterator[tuple[int, int, Batch]]:
         """Yield ``(epoch, batch_idx, batch)`` for one client's local training.
 
@@ -229,15 +273,20 @@ class FederatedDataModule:
         For DP-SGD (what its accountant assumes): ``"poisson"`` draws every batch independently,
         each record with probability ``batch_size / n`` (the batch size varies and can be 0);
         ``"fixed"`` draws every batch independently as ``batch_size`` records without replacement.
-        One "epoch" is then ``ceil(n / batch_size)`` such draws."""
+        One "epoch" is then ``ceil(n / batch_size)`` such draws. Randomness comes from ``stream``
+        (shuffles from its torch generator; DP-SGD's batches from its uniforms, which are the CSPRNG's
+        in secure mode)."""
         self.setup()
+        generator = stream.generator if stream is not None else None
         idx = self._train_idx[client]
         n = idx.numel()
         bs = n if not batch_size else min(int(batch_size), n)
         per_epoch = math.ceil(n / bs)
         if sampling != "shuffle":
+            require(stream is not None, "sampling", sampling, "DP-SGD batches need a random stream",
+                    "pass stream=RandomSource(...).stream(...)")
             yield from self._sampled_batches(idx, bs, steps if steps is not None else per_epoch * (epochs or 1),
-                                             per_epoch, generator, sampling)
+                                             per_epoch, stream, sampling)
             return
         shuffle = bs < n
         step = epoch = 0
@@ -268,16 +317,16 @@ class FederatedDataModule:
                 return
 
     def _sampled_batches(self, idx: torch.Tensor, bs: int, steps: int, per_epoch: int,
-                         generator: torch.Generator | None, sampling: str) -> Iterator[tuple[int, int, Batch]]:
+                         stream: Stream, sampling: str) -> Iterator[tuple[int, int, Batch]]:
         require(sampling in ("poisson", "fixed"), "sampling", sampling, "unknown batch sampling",
                 "use shuffle, poisson or fixed")
         n = idx.numel()
         rate = record_sampling_rate(n, bs)
         for step in range(steps):
             if sampling == "poisson":
-                chosen = idx[(torch.rand(n, generator=generator) < rate).to(idx.device)]
+                chosen = idx[(stream.uniform(n) < rate).to(idx.device)]
             else:
-                chosen = idx[torch.randperm(n, generator=generator)[:bs].to(idx.device)]
+                chosen = idx[stream.randperm(n)[:bs].to(idx.device)]
             if self._train_tensors is not None:
                 batch = tuple(t[chosen] for t in self._train_tensors)
             else:

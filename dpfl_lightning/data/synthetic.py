@@ -63,6 +63,8 @@ class SyntheticLogistic(FederatedDataModule):
         label_noise: probability of replacing a label (paper 001: 0.05).
     """
 
+    test_set_from_clients = True  # the global test set is the users' held-out records
+
     def __init__(self, num_clients: int = 100, samples_per_client: int = 100, test_samples_per_client: int = 25,
                  dim: int = 40, num_classes: int = 10, alpha: float = 0.0, beta: float = 0.0, label_noise: float = 0.05,
                  seed: int = 0, client_test_fraction: float = 0.0, eval_batch_size: int = 4096) -> None:
@@ -117,6 +119,8 @@ class QuadraticClients(FederatedDataModule):
     :class:`~dpfl_lightning.models.QuadraticModel` of the same ``(num_clients, dim, rank, seed)``.
     The global test set is every client's record, so the mean loss over it is ``f(w)``.
     """
+
+    test_set_from_clients = True  # the global test set is every client's own record
 
     def __init__(self, num_clients: int = 100, dim: int = 200, rank: int = 20, seed: int = 0) -> None:
         super().__init__(num_clients=num_clients, partition="natural", seed=seed, eval_batch_size=num_clients)

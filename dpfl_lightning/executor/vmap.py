@@ -1,55 +1,16 @@
-"""Executors: how a rank trains its share of a round's cohort.
-
-An executor fills one row of ``rows`` per client with that client's raw update (local model minus
-global model). Plugins never see the executor: the trainer applies ``on_client_end`` to the rows
-afterwards, so a vectorised executor (e.g. ``torch.func.vmap`` over stacked client parameters)
-can replace :class:`SequentialExecutor` without touching them.
-"""
+"""VmapExecutor: a rank's clients trained together with ``torch.func.vmap`` over stacked parameters."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.executor.base import Executor, RoundWork
 from dpfl_lightning.module import ClientRun, batch_size_of, parse_optimizers
-
-if TYPE_CHECKING:
-    from dpfl_lightning.trainer import FederatedTrainer
-
-
-class Executor:
-    """Train ``clients`` from the global model; write update ``k`` into ``rows[k]``."""
-
-    def setup(self, trainer: FederatedTrainer) -> None:
-        """Validate that this executor can run the trainer's module, data and plugins."""
-
-    def train(self, trainer: FederatedTrainer, clients: list[int], round_idx: int, rows: torch.Tensor) -> list[ClientRun]:
-        raise NotImplementedError
-
-
-class SequentialExecutor(Executor):
-    """One client after another through the wrapped module's own ``training_step``."""
-
-    def train(self, trainer: FederatedTrainer, clients: list[int], round_idx: int, rows: torch.Tensor) -> list[ClientRun]:
-        module, data = trainer.module, trainer.data
-        lr_factor = trainer.client_lr_decay**round_idx
-        runs = []
-        for k, client in enumerate(clients):
-            module.load_global()
-            trainer.call_hook("on_client_start", client=client, round_idx=round_idx)
-            rng.seed_global(trainer.seed, round_idx, client, module.device)
-            g = rng.generator(trainer.seed, round_idx, client, rng.DATA)
-            batches = data.client_batches(client, trainer.batch_size, epochs=trainer.local_epochs,
-                                          steps=trainer.local_steps, generator=g, sampling=trainer.batch_sampling)
-            runs.append(module.fit_client(batches, round_idx, lr_factor, trainer.step_hook(client),
-                                          trainer.optimizer_wrapper(client, round_idx)))
-            torch.sub(module.working, module.global_params, out=rows[k])
-        return runs
 
 
 # Optimizers whose update is elementwise: running one on parameters stacked over clients is the
@@ -107,23 +68,23 @@ class VmapExecutor(Executor):
     slice independently of the others (true for the CPU and CUDA matmul paths checked in the tests).
     """
 
+    name = "vmap"
+
     def __init__(self, chunk_size: int | None = None) -> None:
         self.chunk_size = chunk_size
 
-    def setup(self, trainer: FederatedTrainer) -> None:
-        module = trainer.module
+    def setup(self, module, data, changes_local_steps: list[str]) -> None:
         m = module.inner
-        if not module._automatic:
+        if not module.automatic_optimization:
             raise ConfigError("trainer.executor", "vmap", "manual optimization is not vectorisable",
                               "use executor='sequential'")
-        hooked = [type(p).__name__ for p in trainer._hooks["on_before_optimizer_step"] + trainer._hooks["wrap_optimizer"]]
-        if hooked:
-            raise ConfigError("trainer.executor", "vmap", f"plugins {hooked} change gradients or optimizers inside local steps",
-                              "use executor='sequential'")
+        if changes_local_steps:
+            raise ConfigError("trainer.executor", "vmap", f"plugins {changes_local_steps} change gradients or optimizers "
+                              "inside local steps", "use executor='sequential'")
         if list(m.buffers()):
             raise ConfigError("trainer.executor", "vmap", "the model has buffers (e.g. BatchNorm statistics)",
                               "use executor='sequential' or a model without buffers")
-        hooks = [h for h, on in module._overridden.items() if on]
+        hooks = module.overridden_step_hooks
         if hooks:
             raise ConfigError("trainer.executor", "vmap", f"the module overrides {hooks}, which the vectorised "
                               "step does not call", "use executor='sequential'")
@@ -131,7 +92,7 @@ class VmapExecutor(Executor):
         if frozen:
             raise ConfigError("trainer.executor", "vmap", f"frozen parameters {frozen[:3]} would be trained",
                               "use executor='sequential'")
-        if trainer.data._train_tensors is None:
+        if data.in_memory_tensors is None:
             raise ConfigError("trainer.executor", "vmap", "the client data is not in memory",
                               "use executor='sequential' or FederatedDataModule(in_memory=True)")
         opts, scheds = parse_optimizers(m.configure_optimizers())
@@ -147,7 +108,9 @@ class VmapExecutor(Executor):
         self._group_hparams = [{k: v for k, v in g.items() if k != "params"} for g in opts[0].param_groups]
         self._step = _TrainingStep(m)
         self._names = [n for n, _ in self._step.named_parameters()]
-        self._shapes = [p.shape for p in module._params]
+        self._params = module.parameter_list
+        self._shapes = [p.shape for p in self._params]
+        self._slices = module.parameter_slices
         self._fn = torch.func.vmap(torch.func.grad_and_value(self._loss, has_aux=True), randomness="error")
 
     def _loss(self, params: dict[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -155,37 +118,31 @@ class VmapExecutor(Executor):
         loss, logged = torch.func.functional_call(self._step, params, (batch,))
         return loss, logged
 
-    def train(self, trainer: FederatedTrainer, clients: list[int], round_idx: int, rows: torch.Tensor) -> list[ClientRun]:
-        data = trainer.data
+    def train(self, work: RoundWork) -> Iterator:
+        data = work.data
         groups: dict[int, list[int]] = defaultdict(list)  # clients of equal size have stackable batches
-        for k, c in enumerate(clients):
+        for k, c in enumerate(work.clients):
             groups[data.client_num_samples(c)].append(k)
-        runs: list[ClientRun] = [None] * len(clients)  # type: ignore[list-item]
         for positions in groups.values():
             size = self.chunk_size or len(positions)
             for start in range(0, len(positions), size):
                 chunk = positions[start : start + size]
-                for k, run in zip(chunk, self._train_chunk(trainer, [clients[k] for k in chunk], chunk, round_idx, rows)):
-                    runs[k] = run
-        return runs
+                yield from self._train_chunk(work, chunk)
 
-    def _train_chunk(self, trainer: FederatedTrainer, clients: list[int], positions: list[int], round_idx: int,
-                     rows: torch.Tensor) -> list[ClientRun]:
-        module, data = trainer.module, trainer.data
+    def _train_chunk(self, work: RoundWork, positions: list[int]) -> Iterator:
+        module, plan = work.module, work.plan
+        clients = [work.clients[k] for k in positions]
         n = len(clients)
-        for c in clients:
-            trainer.call_hook("on_client_start", client=c, round_idx=round_idx)
+        contexts = [work.open_client(c) for c in clients]
         flat = module.global_params.unsqueeze(0).repeat(n, 1)  # [n, d]: every client starts at the global model
-        params = [flat[:, o : o + size].view(n, *shape) for (o, size), shape in zip(module._slices, self._shapes)]
-        lr_factor = trainer.client_lr_decay**round_idx
-        groups = [dict(h, params=[], lr=h["lr"] * lr_factor) for h in self._group_hparams]
-        for p, orig in zip(params, module._params):
+        params = [flat[:, o : o + size].view(n, *shape) for (o, size), shape in zip(self._slices, self._shapes)]
+        groups = [dict(h, params=[], lr=h["lr"] * plan.lr_factor) for h in self._group_hparams]
+        for p, orig in zip(params, self._params):
             groups[self._group_of[id(orig)]]["params"].append(p)
         opt = self._opt_class([g for g in groups if g["params"]])
-        streams = [data.client_batches(c, trainer.batch_size, epochs=trainer.local_epochs, steps=trainer.local_steps,
-                                       generator=rng.generator(trainer.seed, round_idx, c, rng.DATA)) for c in clients]
+        streams = [work.batches(c) for c in clients]
         logged = module.logged
-        module._shim.current_epoch = round_idx
+        module.set_round(plan.round_idx)
         steps = samples = 0
         for items in zip(*streams):
             self._step.batch_idx = items[0][1]
@@ -202,7 +159,5 @@ class VmapExecutor(Executor):
             samples += bs
         lr = float(opt.param_groups[0]["lr"])
         for j, k in enumerate(positions):
-            torch.sub(flat[j], module.global_params, out=rows[k])
-        return [ClientRun(steps=steps, samples=samples, lr=lr) for _ in clients]
-
-
+            torch.sub(flat[j], module.global_params, out=work.out(k))
+            yield k, contexts[j], ClientRun(steps=steps, samples=samples, lr=lr)

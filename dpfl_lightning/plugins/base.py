@@ -1,130 +1,122 @@
 """FederatedCallback: the base of every plugin, a set of typed no-op hooks.
 
 The trainer calls the hooks of its plugins in ``order`` (lowest first; equal orders keep list
-order). A round runs:
+order). A round runs::
 
-``before_round`` (may stop training) -> ``on_round_start`` -> for each client of this rank: ``on_client_start``, local training (with
-``on_before_optimizer_step`` before every local optimizer step), ``on_client_end`` -> one
-all-reduce of the rank's sums -> ``on_aggregate`` -> ``on_server_update`` -> evaluation ->
-``on_round_end``.
+    before_round(plan, server)          edit the RoundPlan (local steps, batch sampling, lr); stop
+    for each client of this rank:
+        on_client_start(client)
+        wrap_optimizer(client, optimizer)           each fresh local optimizer (DP-SGD)
+        on_before_optimizer_step(client, optimizer) before every local step (control variates)
+        on_client_end(client)               bound, noise, randomize ``client.payload`` in place
+    one exact all-reduce of every segment of every client's payload
+    on_aggregate(server)                noise on the sums (central), read extra sums
+    on_server_update(server)            scale / apply ``server.update`` (the mean update)
+    evaluation
+    on_round_end(server, metrics)       account, add metrics (declared in ``released_metrics``)
 
-Hooks take keyword arguments only, so a plugin can accept the ones it needs and ``**kwargs``.
-Anything a plugin keeps across rounds goes in :meth:`state_dict` so checkpoints can restore it.
+Hooks take keyword arguments only and receive narrow contexts (:mod:`dpfl_lightning.contexts`),
+never the trainer. Set-up hooks declare what a plugin adds to a run: the payload segments it sends
+(:meth:`payload_segments`), the DP mechanisms it runs (:meth:`privacy_mechanisms`) and the metrics
+it logs (:meth:`released_metrics`). State a plugin keeps across rounds goes in :meth:`state_dict`;
+checkpoints store it under :attr:`state_key`, so adding or removing a stateless plugin does not
+break a resume. Per-client state goes in ``client.state`` (it lives with the client, on the rank
+that trains it, and is checkpointed by client id).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from dpfl_lightning.module import FederatedLightningModule
-    from dpfl_lightning.privacy.events import Mechanism
-    from dpfl_lightning.trainer import FederatedTrainer
+    from dpfl_lightning.contexts import ClientContext, ServerContext, SetupContext
+    from dpfl_lightning.payload import Segment
+    from dpfl_lightning.plan import RoundPlan
+    from dpfl_lightning.privacy.mechanisms import Mechanism
+    from dpfl_lightning.releases import MetricRelease
 
 # Where a plugin runs relative to the others. Sensitivity must be bounded before noise is added,
 # and noise must be added before anything leaves the client or reaches the server optimizer.
-ORDER_LOCAL_TRAINING = 40  # plugins that change how clients train (DP-SGD)
+ORDER_LOCAL_TRAINING = 40  # plugins that change how clients train (DP-SGD, control variates)
 ORDER_BOUND_SENSITIVITY = 100
 ORDER_ADD_NOISE = 200
+ORDER_SERVER_STEP = 800  # global step sizes
 ORDER_SERVER_OPTIMIZER = 900
-
-
-@dataclass
-class ClientUpdate:
-    """One client's contribution to a round, as the plugins see it in ``on_client_end``.
-
-    ``update`` is the flat update vector (local model minus global model, divided by the client's
-    learning rate when the trainer is configured so). Plugins modify it **in place**: it is a row of
-    the buffer the trainer aggregates. ``scalars`` holds per-client numbers that are summed over
-    the cohort exactly like the update (a plugin lists their names in ``aggregated_scalars``).
-    """
-
-    client: int
-    round_idx: int
-    update: torch.Tensor
-    num_samples: int
-    steps: int
-    lr: float
-    scalars: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class Aggregate:
-    """The cohort's sums after the all-reduce, identical on every rank.
-
-    ``update_sum`` is float64 ``[d]``; ``denominator`` is what the trainer divides by to get the mean
-    update (the cohort size, its expectation under Poisson sampling, or the total weight).
-    """
-
-    round_idx: int
-    update_sum: torch.Tensor
-    scalars: dict[str, float]
-    num_clients: int
-    denominator: float
+ORDER_LEDGER = 950
 
 
 class FederatedCallback:
     """Base class of plugins. Every hook is a no-op; override the ones you need."""
 
     order: int = 500
-    #: names of per-client scalars this plugin writes into ``ClientUpdate.scalars``
-    aggregated_scalars: tuple[str, ...] = ()
 
-    def configure_model(self, *, trainer: FederatedTrainer, model: Any) -> Any:
+    @property
+    def state_key(self) -> str:
+        """The key of this plugin's state in checkpoints (like Lightning's ``Callback.state_key``).
+        Two plugins of the same class with state must override it."""
+        return type(self).__qualname__
+
+    # ------------------------------------------------------------------ set-up
+    def configure_model(self, *, ctx: SetupContext, model: Any) -> Any:
         """Before the module is laid out over its flat buffer: return the model to train (the
-        given one, or a replacement such as a DP-compatible copy)."""
+        given one, changed in place, or a replacement)."""
         return model
 
-    def setup(self, *, trainer: FederatedTrainer, module: FederatedLightningModule) -> None:
-        """Once, after the module is on its device and before the first round; validate here."""
+    def setup(self, *, ctx: SetupContext) -> None:
+        """Once, before the first round (and before the mechanisms are collected); validate here."""
 
-    def on_fit_start(self, *, trainer: FederatedTrainer) -> None:
+    def payload_segments(self, *, ctx: SetupContext) -> list[Segment]:
+        """The segments this plugin adds to every client's payload."""
+        return []
+
+    def privacy_mechanisms(self, *, ctx: SetupContext) -> list[Mechanism]:
+        """The DP mechanisms this plugin runs (after ``setup``); every segment that leaves a client
+        in a DP run must be covered by one."""
+        return []
+
+    def released_metrics(self, *, ctx: SetupContext) -> list[MetricRelease]:
+        """The metrics this plugin adds in ``on_round_end``, and what kind of release each is."""
+        return []
+
+    def on_fit_start(self, *, ctx: SetupContext) -> None:
         """Before the first round of this ``fit`` call (also after a resume)."""
 
-    def on_fit_end(self, *, trainer: FederatedTrainer) -> None:
-        """After the last round."""
+    def on_fit_end(self, *, ctx: SetupContext) -> None:
+        """After the last round, also when training failed."""
 
-    def before_round(self, *, trainer: FederatedTrainer, round_idx: int, cohort: list[int]) -> None:
-        """Before anything of the round happens; call ``trainer.stop(reason)`` to end training here
-        (e.g. the privacy budget would be exceeded). Every rank sees the same cohort."""
+    # ------------------------------------------------------------------ a round
+    def before_round(self, *, plan: RoundPlan, server: ServerContext) -> None:
+        """Before anything of the round happens: edit ``plan``; call ``server.stop(reason)`` to end
+        training here (e.g. the privacy budget would be exceeded). Every rank sees the same plan."""
 
-    def on_round_start(self, *, trainer: FederatedTrainer, round_idx: int, cohort: list[int]) -> None:
-        """A round begins; ``cohort`` is every sampled client (all ranks see the same list)."""
+    def on_client_start(self, *, client: ClientContext) -> None:
+        """This rank starts training ``client.client``; the model holds the global model."""
 
-    def on_client_start(self, *, trainer: FederatedTrainer, client: int, round_idx: int) -> None:
-        """This rank starts training ``client``; the module holds the global model."""
-
-    def on_before_optimizer_step(
-        self, *, trainer: FederatedTrainer, client: int, optimizer: torch.optim.Optimizer
-    ) -> None:
-        """Gradients of one local step are ready; a plugin may change them (control variates)."""
-
-    def wrap_optimizer(self, *, trainer: FederatedTrainer, client: int, round_idx: int,
-                       optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Each client's fresh local optimizer passes through here (DP-SGD wraps it)."""
+    def wrap_optimizer(self, *, client: ClientContext, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Each of the client's fresh local optimizers passes through here (DP-SGD wraps it)."""
         return optimizer
 
-    def on_client_end(self, *, trainer: FederatedTrainer, result: ClientUpdate) -> None:
-        """The client finished; modify ``result.update`` in place (clip, normalize, local noise)."""
+    def on_before_optimizer_step(self, *, client: ClientContext, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients of one local step are ready; a plugin may change them (control variates)."""
 
-    def on_aggregate(self, *, trainer: FederatedTrainer, aggregate: Aggregate) -> None:
-        """The cohort's sums are known; modify ``aggregate.update_sum`` in place (central noise)."""
+    def on_client_end(self, *, client: ClientContext) -> None:
+        """The client finished: modify ``client.payload`` in place (clip, normalize, noise). With
+        ``client.replay`` the update was not finite and this runs again on a zero update."""
 
-    def on_server_update(self, *, trainer: FederatedTrainer, update: torch.Tensor, aggregate: Aggregate) -> None:
-        """``update`` is the mean update (float64); scale it in place (global step sizes) or apply it
-        (server optimizer)."""
+    def on_aggregate(self, *, server: ServerContext) -> None:
+        """The cohort's sums are in ``server.aggregate``; modify them in place (central noise)."""
 
-    def on_round_end(self, *, trainer: FederatedTrainer, round_idx: int, metrics: dict[str, float]) -> None:
-        """The round is over; add to ``metrics`` what should be logged."""
+    def on_server_update(self, *, server: ServerContext) -> None:
+        """``server.update`` is the mean update (float64): scale it in place (global step sizes) or
+        apply it (server optimizer)."""
 
-    def privacy_mechanism(self, *, trainer: FederatedTrainer) -> Mechanism | None:
-        """The DP mechanism this plugin runs every round, for the privacy ledger (after ``setup``).
-        Every plugin that releases a noisy statistic declares it here."""
-        return None
+    def on_round_end(self, *, server: ServerContext, metrics: dict[str, float]) -> None:
+        """The round is over; add what should be logged to ``metrics`` (declare it in
+        :meth:`released_metrics`)."""
 
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -14,35 +14,60 @@ every round it took part in. Client sampling gives no amplification towards the 
 who took part. Batches are drawn independently every step -- Poisson with rate ``B / n`` or ``B``
 records without replacement -- so the accounted sampling is the one that happens.
 
-Noise draws are keyed by (seed, round, client), so results do not depend on the number of ranks.
+Noise and batches are drawn from the run's random source keyed by (seed, round, client, purpose),
+so results do not depend on the number of ranks; with ``FederatedTrainer(secure=True)`` both come
+from the CSPRNG (noise with the floating-point mitigation of :mod:`dpfl_lightning.rng`).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
+from opacus import GradSampleModule
+from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from opacus.validators import ModuleValidator
 
 from dpfl_lightning import rng
 from dpfl_lightning.data.module import record_sampling_rate
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
-
-RECORD_NOISE = rng.PLUGIN + 1
+from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
+from dpfl_lightning.privacy.guarantees import guarantees
+from dpfl_lightning.privacy.mechanisms import Mechanism, RecordProfile
 
 
 def _unsupported_layers(model: torch.nn.Module) -> list[str]:
-    from opacus.validators import ModuleValidator
-
-    errors = ModuleValidator.validate(model, strict=False)
-    return [str(e) for e in errors]
+    return [str(e) for e in ModuleValidator.validate(model, strict=False)]
 
 
 def _replacements(before: torch.nn.Module, after: torch.nn.Module) -> list[str]:
     old = {n: type(m).__name__ for n, m in before.named_modules()}
     return [f"{n or 'model'}: {old.get(n)} -> {type(m).__name__}" for n, m in after.named_modules()
             if n in old and old[n] != type(m).__name__]
+
+
+class KeyedDPOptimizer(DPOptimizer):
+    """Opacus's ``DPOptimizer`` whose noise comes from one of the run's streams (keyed by
+    (seed, round, client), or the CSPRNG in secure mode) instead of a torch generator, whose
+    ``manual_seed`` would use only 32 bits."""
+
+    def __init__(self, *args: Any, noise_stream: rng.Stream, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.noise_stream = noise_stream
+
+    def add_noise(self) -> None:
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            grad = p.summed_grad
+            if std > 0:
+                grad = grad + self.noise_stream.normal(grad.shape, std, grad.device, grad.dtype)
+            p.grad = grad.view_as(p)
+            _mark_as_processed(p.summed_grad)
 
 
 class DPSGD(FederatedCallback):
@@ -60,7 +85,7 @@ class DPSGD(FederatedCallback):
             ``opacus.validators.ModuleValidator.fix`` instead of failing; the replacements are listed.
         loss_reduction: how the module's loss reduces over a batch (``mean`` or ``sum``).
         accountant: for calibration (``rdp``, ``pld``, ``prv``).
-        secure_mode: Opacus's cryptographically safe noise (slower; not keyed, so not reproducible).
+        allow_infinite_epsilon: accept ``noise_multiplier=0`` (clipping only, no guarantee).
     """
 
     order = ORDER_LOCAL_TRAINING
@@ -68,14 +93,14 @@ class DPSGD(FederatedCallback):
     def __init__(self, noise_multiplier: float | None = None, max_grad_norm: float = 1.0,
                  target_epsilon: float | None = None, delta: float | None = None, sampling: str = "poisson",
                  fix_model: bool = False, loss_reduction: str = "mean", accountant: str = "rdp",
-                 secure_mode: bool = False) -> None:
+                 allow_infinite_epsilon: bool = False, secure_mode: bool | None = None) -> None:
         require((noise_multiplier is None) != (target_epsilon is None), "DPSGD",
                 {"noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon},
                 "exactly one of noise_multiplier and target_epsilon must be set",
                 "pass noise_multiplier=... or target_epsilon=... (with delta)")
-        if noise_multiplier is not None:
-            require(math.isfinite(noise_multiplier) and noise_multiplier >= 0, "DPSGD.noise_multiplier",
-                    noise_multiplier, "must be a finite number >= 0", "set noise_multiplier >= 0")
+        require(secure_mode is None, "DPSGD.secure_mode", secure_mode, "secure randomness is one switch for the whole "
+                "run (noise and batch sampling)", "set FederatedTrainer(secure=True) instead")
+        check_noise_multiplier("DPSGD", noise_multiplier, allow_infinite_epsilon)
         if target_epsilon is not None:
             require(math.isfinite(target_epsilon) and target_epsilon > 0, "DPSGD.target_epsilon", target_epsilon,
                     "must be a finite number > 0", "set a positive epsilon")
@@ -94,13 +119,14 @@ class DPSGD(FederatedCallback):
         self.fix_model = fix_model
         self.loss_reduction = loss_reduction
         self.accountant = accountant
-        self.secure_mode = secure_mode
+        self.allow_infinite_epsilon = allow_infinite_epsilon
         self.replaced: list[str] = []
         self._grad_sample_module = None
         self._coverage_checked = False
+        self._profiles: tuple[RecordProfile, ...] = ()
 
     # ------------------------------------------------------------------ set-up
-    def configure_model(self, *, trainer, model: Any) -> Any:
+    def configure_model(self, *, ctx, model: Any) -> Any:
         problems = _unsupported_layers(model)
         if not problems:
             return model
@@ -109,84 +135,59 @@ class DPSGD(FederatedCallback):
                               f"Opacus cannot compute per-record gradients for this model: {'; '.join(problems)}",
                               "set DPSGD(fix_model=True) to replace those layers (BatchNorm -> GroupNorm), "
                               "or change the model")
-        from opacus.validators import ModuleValidator
-
         fixed = ModuleValidator.fix(model)
         self.replaced = _replacements(model, fixed)
         left = _unsupported_layers(fixed)
         if left:
             raise ConfigError("DPSGD.fix_model", True, f"layers remain that Opacus cannot handle: {'; '.join(left)}",
                               "change the model")
-        if trainer.is_global_zero and trainer.enable_summary:
+        if ctx.is_global_zero and ctx.verbose:
             print(f"DPSGD(fix_model=True) replaced: {', '.join(self.replaced)}", flush=True)
         return fixed
 
-    def setup(self, *, trainer, module) -> None:
-        require(trainer.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
+    def setup(self, *, ctx) -> None:
+        require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
                 "set trainer.batch_size (the expected batch size B)")
-        trainer.batch_sampling = self.sampling
         self._coverage_checked = False
-        self._profiles = self._client_profiles(trainer)
+        self._profiles = self._client_profiles(ctx)
         if self.target_epsilon is not None:
-            self.noise_multiplier = self._calibrate(trainer)
-        if module is not None:
-            import warnings
-
-            from opacus import GradSampleModule
-
+            if self.delta is None:
+                self.delta = ctx.privacy.default_delta("record")
+            record = lambda z: guarantees([self._mechanism(z)], ctx.sampler.accounted())[0]  # noqa: E731
+            self.noise_multiplier = ctx.privacy.calibrate(record, self.target_epsilon, self.delta, self.accountant)
+        if ctx.model is not None:
             # Opacus's full backward hooks fire on outputs when inputs need no gradient: expected here.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-
             # Hooks on the layers: the module's own training_step computes per-record gradients.
-            self._grad_sample_module = GradSampleModule(module.inner, strict=False, loss_reduction=self.loss_reduction)
+            self._grad_sample_module = GradSampleModule(ctx.model, strict=False, loss_reduction=self.loss_reduction)
 
-    def _client_profiles(self, trainer) -> tuple[tuple[int, float, int, tuple[int, ...]], ...]:
-        """Group clients by dataset size: ``(n, rate, steps per round, clients)``."""
-        data, B = trainer.data, trainer.batch_size
+    def _client_profiles(self, ctx) -> tuple[RecordProfile, ...]:
+        """Clients grouped by dataset size (their sampling rate and steps differ)."""
+        data, B = ctx.data, ctx.plan.batch_size
         groups: dict[int, list[int]] = {}
         for c in range(data.num_clients):
             groups.setdefault(data.client_num_samples(c), []).append(c)
-        out = []
-        for n, clients in sorted(groups.items()):
-            steps = trainer.local_steps if trainer.local_steps is not None else (trainer.local_epochs or 1) * math.ceil(n / min(B, n))
-            out.append((n, record_sampling_rate(n, B), steps, tuple(clients)))
-        return tuple(out)
+        return tuple(RecordProfile(n, record_sampling_rate(n, B), min(B, n), tuple(clients))
+                     for n, clients in sorted(groups.items()))
 
-    def _calibrate(self, trainer) -> float:
-        from dpfl_lightning.privacy.calibrate import calibrate_release
-        from dpfl_lightning.privacy.events import default_delta, guarantee
+    def _mechanism(self, z: float) -> Mechanism:
+        return Mechanism.dp_sgd("DP-SGD", z, self._profiles, self.sampling)
 
-        if self.delta is None:
-            self.delta = default_delta(min(n for n, *_ in self._profiles))
-        counts = trainer.sampler.participation_counts(trainer.seed, trainer.rounds)
-        g = guarantee(self._mechanism(1.0), trainer.sampler)
-        z = 0.0
-        for p in g.profiles:  # the noise must cover the worst client of every profile
-            busiest = int(counts[list(p.clients)].max())
-            if busiest == 0:
-                continue
-            z_rel = calibrate_release(p.release, self.target_epsilon, self.delta, busiest * p.steps_per_round,
-                                      self.accountant)
-            z = max(z, z_rel / p.release.noise_multiplier)
-        return z
+    def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
+        return [self._mechanism(self.noise_multiplier)]
 
-    def _mechanism(self, z: float):
-        from dpfl_lightning.privacy.events import Mechanism
+    # ------------------------------------------------------------------ per round / client
+    def before_round(self, *, plan, server) -> None:
+        plan.batch_sampling = self.sampling  # batches drawn the way the accountant assumes
 
-        return Mechanism("DP-SGD", "record", "local", z, 1.0, record_sampling=self.sampling, profiles=self._profiles)
-
-    def privacy_mechanism(self, *, trainer):
-        return self._mechanism(self.noise_multiplier)
-
-    # ------------------------------------------------------------------ per client
-    def on_before_optimizer_step(self, *, trainer, client: int, optimizer) -> None:
+    def on_before_optimizer_step(self, *, client, optimizer) -> None:
         """Once per fit, at the first local step: every trainable parameter must have per-record
         gradients. Opacus computes them per layer; a parameter used outside its layers' forward
         (say, a temperature multiplied in ``training_step``) would silently get noise only."""
         if self._coverage_checked:
             return
         self._coverage_checked = True
-        params = [(n, p) for n, p in trainer.module.inner.named_parameters() if p.requires_grad]
+        params = [(n, p) for n, p in client.model.named_parameters() if p.requires_grad]
         scale = max((float(p.grad.abs().max()) for _, p in params if p.grad is not None and p.grad.numel()), default=0.0)
         missing = []
         for name, p in params:
@@ -202,18 +203,14 @@ class DPSGD(FederatedCallback):
                               "(used outside a supported layer's forward), so DP-SGD would train them on noise only",
                               "compute them inside a module Opacus supports, or freeze them (requires_grad=False)")
 
-    def wrap_optimizer(self, *, trainer, client: int, round_idx: int, optimizer: torch.optim.Optimizer):
-        from opacus.optimizers import DPOptimizer
+    def wrap_optimizer(self, *, client, optimizer: torch.optim.Optimizer):
+        n = client.num_samples
+        expected = n * record_sampling_rate(n, client.plan.batch_size)
+        stream = client.random.stream(client.round_idx, client.client, rng.RECORD_NOISE)
+        return KeyedDPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+                                expected_batch_size=expected, loss_reduction=self.loss_reduction, noise_stream=stream)
 
-        n = trainer.data.client_num_samples(client)
-        expected = n * record_sampling_rate(n, trainer.batch_size)
-        device = next(iter(optimizer.param_groups[0]["params"])).device
-        generator = None if self.secure_mode else rng.generator(trainer.seed, round_idx, client, RECORD_NOISE, device)
-        return DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
-                           expected_batch_size=expected, loss_reduction=self.loss_reduction, generator=generator,
-                           secure_mode=self.secure_mode)
-
-    def on_fit_end(self, *, trainer) -> None:
+    def on_fit_end(self, *, ctx) -> None:
         if self._grad_sample_module is not None:
             self._grad_sample_module.cleanup()  # remove Opacus hooks and attributes from the model
             self._grad_sample_module = None

@@ -1,18 +1,20 @@
 """PrivacyLedger: epsilon after every round, in the logs and checkpoints, and an optional budget.
 
-The ledger collects the :class:`~dpfl_lightning.privacy.events.Mechanism` every plugin declares,
-turns each into a :class:`~dpfl_lightning.privacy.events.Guarantee` for the trainer's client
-sampler, and composes it:
+The ledger takes every :class:`~dpfl_lightning.privacy.mechanisms.Mechanism` the plugins declare,
+turns them into the run's :class:`~dpfl_lightning.privacy.guarantees.Guarantee` s (grouped by
+granularity and towards whom) for the trainer's client sampling, and composes them:
 
-- per round for central / distributed noise (every round is one release about every client);
-- per participation for local noise and record-level DP-SGD: it counts how often each client took
-  part and reports the worst client (all clients run the same mechanism, so the most frequent
-  participant has the largest epsilon).
+- per round for guarantees towards model observers (every round is one release about everyone);
+- per participation for guarantees towards the server (local and distributed noise, record-level
+  DP-SGD, local randomizers): it counts each client's compositions (participations, times local
+  steps for DP-SGD) as the round plans say and reports the worst client. In secure mode nobody may
+  know the cohorts, so it uses the binomial participation bound of
+  :mod:`dpfl_lightning.privacy.planning` instead (its tail is folded into delta).
 
-Its state (rounds and participation counts) is checkpointed, so a resumed run continues the same
-ledger: no double counting, no reset. With ``budget`` set, training stops *before* a round after
-which epsilon would exceed the budget. The trainer adds a ledger with default settings when a
-plugin declares a mechanism and none was given.
+Its state is checkpointed, so a resumed run continues the same ledger: no double counting, no
+reset. With ``budget`` set, training stops *before* a round after which epsilon would exceed the
+budget. The trainer adds a ledger with default settings when a mechanism is declared and none was
+given.
 """
 
 from __future__ import annotations
@@ -23,25 +25,27 @@ from typing import Any
 import numpy as np
 
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.base import ORDER_LEDGER, FederatedCallback
 from dpfl_lightning.privacy.accountants import ACCOUNTANTS, PLD_DISCRETIZATION, epsilon
-from dpfl_lightning.privacy.events import Guarantee, default_delta, guarantees
+from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, guarantees
+from dpfl_lightning.releases import MetricRelease
 
 
 class PrivacyLedger(FederatedCallback):
     """Account the declared mechanisms round by round.
 
     Args:
-        delta: the delta of the reported epsilon. Default: a power of ten at most ``0.1/N``
-            (``N``: clients for client-level, the smallest client's records for record-level DP),
-            or the delta a calibrated ``GaussianNoise`` was given. ``delta >= 1/N`` is refused.
+        delta: the delta of the reported epsilon. Default: the smallest delta a calibrated plugin
+            (``target_epsilon``) was given, else a power of ten at most ``0.1/N`` (``N``: clients
+            for client-level, the smallest client's records for record-level DP). ``delta >= 1/N``
+            is refused.
         accountant: ``rdp`` (dp_accounting RDP; fast), ``pld`` (dp_accounting PLD; tighter, ~20-60 ms
             per round) or ``prv`` (Opacus PRV; Poisson or no sampling only, slow). Default: the
-            accountant a calibrated plugin (``target_epsilon``) used, else ``rdp``.
+            accountant a calibrated plugin used, else ``rdp``.
         budget: stop before a round that would take epsilon above this.
     """
 
-    order = 950
+    order = ORDER_LEDGER
 
     def __init__(self, delta: float | None = None, accountant: str | None = None, budget: float | None = None,
                  pld_discretization: float = PLD_DISCRETIZATION) -> None:
@@ -57,96 +61,112 @@ class PrivacyLedger(FederatedCallback):
         self.pld_discretization = pld_discretization
         self.guarantees: list[Guarantee] = []
         self.rounds = 0
-        self.counts: np.ndarray | None = None
-        self._cohort: list[int] = []
-        self._cache: dict[tuple[int, int, int], float] = {}
+        self.counts: dict[str, np.ndarray] = {}  # per-client guarantees: compositions of each client
+        self.max_steps: dict[str, int] = {}  # secure mode: the most compositions a participation made
+        self.secure = False
         self.method_notes: dict[str, str] = {}
-        self._saved_releases: list | None = None
+        self._cache: dict[tuple[int, int, int], float] = {}
+        self._saved: dict[str, Any] | None = None
+        self._pending: dict[str, np.ndarray] = {}
+        self._planner = None
+        self._sampler = None
+        self._random = None
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, *, trainer, module) -> None:
-        self._build(trainer)
-
-    def _build(self, trainer) -> None:
-        """Collect the declared mechanisms into guarantees; settle delta and the accountant."""
-        mechanisms = [m for p in trainer.plugins if p is not self
-                      for m in [p.privacy_mechanism(trainer=trainer)] if m is not None]
-        self.guarantees = [g for m in mechanisms for g in guarantees(m, trainer.sampler)]
+    def setup(self, *, ctx) -> None:
+        self._planner, self._sampler, self._random = ctx.privacy, ctx.sampler, ctx.random
+        self.secure = ctx.secure
+        self.guarantees = guarantees(ctx.mechanisms, ctx.sampler.accounted())
         self._cache.clear()
         if not self.guarantees:
             return
-        data = trainer.data
-        calibrated = [p for p in trainer.plugins if p is not self and getattr(p, "target_epsilon", None) is not None]
+        calibrated = ctx.privacy.calibrations
         if self.accountant is None:
-            self.accountant = calibrated[0].accountant if calibrated else "rdp"
+            self.accountant = calibrated[0][1] if calibrated else "rdp"
         if self.delta is None:
-            declared = {getattr(p, "delta", None) for p in calibrated} - {None}
-            self.delta = min(declared) if declared else min(default_delta(self._population(g, data)) for g in self.guarantees)
+            self.delta = min(d for d, _ in calibrated) if calibrated else \
+                min(ctx.privacy.default_delta(g.granularity) for g in self.guarantees)
         for g in self.guarantees:
-            n = self._population(g, data)
+            n = ctx.privacy.population(g.granularity)
             if self.delta >= 1.0 / n:
                 raise ConfigError("PrivacyLedger.delta", self.delta,
                                   f"{g.granularity}-level DP over {n} {g.granularity}s needs delta well below 1/{n} "
                                   f"(a mechanism that publishes one {g.granularity} in full would meet delta >= 1/{n})",
                                   f"set delta <= {default_delta(n):g}")
-        if self.counts is None or len(self.counts) != data.num_clients:
-            self.counts = np.zeros(data.num_clients, dtype=np.int64)
+        for g in self.guarantees:
+            if g.per_client and g.name not in self.counts:
+                self.counts[g.name] = np.zeros(ctx.data.num_clients, dtype=np.int64)
+                self.max_steps[g.name] = 0
 
-    def _releases(self) -> list:
-        return [(g.name, g.profiles) for g in self.guarantees]
+    def released_metrics(self, *, ctx) -> list[MetricRelease]:
+        return [MetricRelease("epsilon", "public", "PrivacyLedger", "the main guarantee's epsilon"),
+                MetricRelease("epsilon_*", "public", "PrivacyLedger", "the other guarantees' epsilons")]
 
-    @staticmethod
-    def _population(g: Guarantee, data) -> int:
-        if g.granularity == "client":
-            return data.num_clients
-        return min(data.client_num_samples(c) for c in range(data.num_clients))
+    @property
+    def main(self) -> str | None:
+        return self.guarantees[0].name if self.guarantees else None
+
+    @property
+    def mechanism_delta(self) -> float:
+        """The delta the mechanisms are accounted at (``delta`` less the participation bound's tail)."""
+        return self.delta - (self._planner.tail(self.delta) if self.secure else 0.0)
 
     # ------------------------------------------------------------------ epsilon
     def _eps(self, index: int, profile: int, compositions: int) -> float:
         key = (index, profile, compositions)
         if key not in self._cache:
             g = self.guarantees[index]
-            res = epsilon(g.profiles[profile].release, compositions, self.delta, self.accountant, self.pld_discretization)
+            res = epsilon(g.profiles[profile].release, compositions, self.mechanism_delta, self.accountant,
+                          self.pld_discretization)
             if res.note:
                 self.method_notes[g.name] = res.note
             self._cache[key] = res.epsilon
         return self._cache[key]
 
-    def _guarantee_eps(self, index: int, rounds: int, counts: np.ndarray) -> float:
-        g = self.guarantees[index]
+    def _profile_compositions(self, g: Guarantee, k: int, rounds: int, counts: np.ndarray | None) -> int:
+        p = g.profiles[k]
         if not g.per_client:
-            return self._eps(index, 0, rounds * g.steps_per_round)
-        worst = 0.0  # the busiest client of each profile is its worst case
-        for k, p in enumerate(g.profiles):
-            n = int(counts.max() if p.clients is None else counts[list(p.clients)].max())
-            worst = max(worst, self._eps(index, k, n * p.steps_per_round))
-        return worst
+            return rounds
+        if self.secure:  # nobody knows the cohorts: bound the participations
+            steps = max(self.max_steps.get(g.name, 0),
+                        self._planner.steps_for(p.record.records) if p.record is not None else 1)
+            return self._planner.busiest(p.clients, rounds, self.delta) * steps
+        return int(counts.max() if p.clients is None else counts[list(p.clients)].max())
 
-    def epsilons(self, rounds: int | None = None, counts: np.ndarray | None = None) -> dict[str, float]:
-        """Epsilon of every guarantee after ``rounds`` rounds with participation ``counts``
-        (default: what the ledger has recorded); per-client guarantees report the worst client."""
+    def epsilons(self, rounds: int | None = None, counts: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+        """Epsilon of every guarantee after ``rounds`` rounds with composition ``counts`` (default:
+        what the ledger has recorded); per-client guarantees report the worst client."""
         rounds = self.rounds if rounds is None else rounds
         counts = self.counts if counts is None else counts
-        return {g.name: self._guarantee_eps(i, rounds, counts) for i, g in enumerate(self.guarantees)}
+        out = {}
+        for i, g in enumerate(self.guarantees):
+            out[g.name] = max((self._eps(i, k, self._profile_compositions(g, k, rounds, counts.get(g.name)))
+                               for k in range(len(g.profiles))), default=0.0)
+        return out
 
     def client_epsilon(self, client: int, name: str | None = None) -> float:
-        """Epsilon of one client under a per-client guarantee (its own participations)."""
+        """Epsilon of one client under a per-client guarantee (its own compositions)."""
         index = next(i for i, g in enumerate(self.guarantees) if g.name == (name or self.main))
         g = self.guarantees[index]
         for k, p in enumerate(g.profiles):
             if p.clients is None or client in p.clients:
-                n = int(self.counts[client]) if g.per_client else self.rounds
-                return self._eps(index, k, n * p.steps_per_round)
+                n = int(self.counts[g.name][client]) if g.per_client else self.rounds
+                return self._eps(index, k, n)
         raise KeyError(client)
 
-    def planned_epsilons(self, trainer, rounds: int) -> dict[str, float]:
-        """What the ledger will report after ``rounds`` rounds from the start (cohorts are keyed
-        by the seed, so participation is known in advance)."""
-        return self.epsilons(rounds, trainer.sampler.participation_counts(trainer.seed, rounds))
-
-    @property
-    def main(self) -> str | None:
-        return self.guarantees[0].name if self.guarantees else None
+    def planned_epsilons(self, rounds: int) -> dict[str, float]:
+        """What the ledger will report after ``rounds`` rounds from the start, with the default
+        round plan (cohorts are keyed by the seed in a simulation)."""
+        counts = {}
+        for g in self.guarantees:
+            if g.per_client and not self.secure:
+                c = np.zeros_like(self.counts[g.name])
+                for p in g.profiles:
+                    idx = slice(None) if p.clients is None else list(p.clients)
+                    steps = self._planner.steps_for(p.record.records) if p.record is not None else 1
+                    c[idx] = self._planner.counts(rounds)[idx] * steps
+                counts[g.name] = c
+        return self.epsilons(rounds, counts)
 
     def describe(self) -> list[str]:
         lines = []
@@ -155,67 +175,95 @@ class PrivacyLedger(FederatedCallback):
             sampling = {"poisson": f"Poisson sampling q={r.rate:g}", "none": "no sampling",
                         "without_replacement": f"{r.sample_size} of {r.population} without replacement"}[r.sampling]
             relation = {"add_remove": "add/remove", "replace_one": "replace-one"}[r.relation]
-            lines.append(f"{g.description}; {sampling}, {relation} neighbours, "
-                         f"noise multiplier {r.noise_multiplier:.4g}; {self.accountant} accountant, delta={self.delta:g}")
+            z = r.noise_multiplier
+            noise = f"noise multiplier {z:.4g}" if z is not None else "non-Gaussian release"
+            counted = ""
+            if g.per_client:
+                counted = "; participations bounded by a binomial tail (secure mode)" if self.secure else \
+                    "; worst client's participations"
+            lines.append(f"{g.description}; {sampling}, {relation} neighbours, {noise}{counted}; "
+                         f"{self.accountant} accountant, delta={self.delta:g}")
         return lines
 
     # ------------------------------------------------------------------ hooks
-    def _check_budget(self, trainer, round_idx: int, cohort: list[int]) -> None:
-        """Stop if round ``round_idx`` (with ``cohort``) would take epsilon above the budget."""
+    def _with_round(self, plan) -> dict[str, np.ndarray]:
+        """The composition counts after ``plan``'s round."""
+        out = {}
+        for g in self.guarantees:
+            if not g.per_client:
+                continue
+            c = self.counts[g.name].copy()
+            for p in g.profiles:
+                members = list(plan.cohort) if p.clients is None else sorted(set(plan.cohort) & set(p.clients))
+                c[members] += plan.steps_for(p.record.records) if p.record is not None else 1
+            out[g.name] = c
+        return out
+
+    def _round_steps(self, plan) -> dict[str, int]:
+        return {g.name: max(plan.steps_for(p.record.records) if p.record is not None else 1 for p in g.profiles)
+                for g in self.guarantees if g.per_client}
+
+    def _over_budget(self, plan) -> float | None:
         if self.budget is None or not self.guarantees:
+            return None
+        saved = dict(self.max_steps)
+        for name, steps in self._round_steps(plan).items():
+            self.max_steps[name] = max(self.max_steps[name], steps)
+        eps = self.epsilons(self.rounds + 1, self._with_round(plan))[self.main]
+        self.max_steps = saved
+        return eps if eps > self.budget else None
+
+    def before_round(self, *, plan, server) -> None:
+        eps = self._over_budget(plan)
+        if eps is not None:
+            server.stop(f"privacy budget: round {plan.round_idx + 1} would reach epsilon {eps:.4g} > budget "
+                        f"{self.budget:g} (delta={self.delta:g}); stopped after {self.rounds} rounds")
             return
-        counts = self.counts.copy()
-        counts[cohort] += 1
-        eps = self.epsilons(self.rounds + 1, counts)[self.main]
-        if eps > self.budget:
-            trainer.stop(f"privacy budget: round {round_idx + 1} would reach epsilon {eps:.4g} > budget "
-                         f"{self.budget:g} (delta={self.delta:g}); stopped after {self.rounds} rounds")
+        self._pending = self._with_round(plan)
+        self._pending_steps = self._round_steps(plan)
 
-    def before_round(self, *, trainer, round_idx: int, cohort: list[int]) -> None:
-        self._check_budget(trainer, round_idx, cohort)
-
-    def on_fit_start(self, *, trainer) -> None:
-        # After a resume the plugins' restored state (e.g. a calibrated noise multiplier) is in
-        # force: rebuild, and refuse to continue a ledger whose past rounds used other releases.
-        self._build(trainer)
-        if self._saved_releases is not None and self._saved_releases != self._releases():
+    def on_fit_start(self, *, ctx) -> None:
+        if self._saved is not None and self._saved.get("releases") != self._releases():
             raise ConfigError("resume", "privacy mechanism",
                               "the checkpoint's rounds were accounted for other releases (noise, sampling, clients "
                               "or delta) than this run's, so continuing would misreport epsilon",
                               "resume with the privacy settings that wrote the checkpoint")
-        if trainer.is_global_zero and self.guarantees and trainer.enable_summary:
-            from rich.console import Console
 
-            console = Console(stderr=True, soft_wrap=True)
-            for line in self.describe():
-                console.print(f"[bold]privacy[/bold]: {line}")
-
-    def on_round_start(self, *, trainer, round_idx: int, cohort: list[int]) -> None:
-        self._cohort = cohort
-
-    def on_round_end(self, *, trainer, round_idx: int, metrics: dict[str, float]) -> None:
+    def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         if not self.guarantees:
             return
         self.rounds += 1
-        self.counts[self._cohort] += 1
+        self.counts.update(self._pending)
+        for name, steps in getattr(self, "_pending_steps", {}).items():
+            self.max_steps[name] = max(self.max_steps[name], steps)
         eps = self.epsilons()
         metrics["epsilon"] = eps[self.main]
         for name, value in eps.items():
             if name != self.main:
                 metrics[f"epsilon_{name}"] = value
-        if round_idx + 1 < trainer.rounds:  # decide now, so this round's row gets the final test
-            self._check_budget(trainer, round_idx + 1, trainer.sampler.sample(trainer.seed, round_idx + 1))
+        nxt = server.next_plan() if server.next_plan is not None else None
+        if nxt is not None:  # decide now, so that this round's row gets the final test
+            eps_next = self._over_budget(nxt)
+            if eps_next is not None:
+                server.stop(f"privacy budget: round {nxt.round_idx + 1} would reach epsilon {eps_next:.4g} > budget "
+                            f"{self.budget:g} (delta={self.delta:g}); stopped after {self.rounds} rounds")
+
+    # ------------------------------------------------------------------ state
+    def _releases(self) -> list:
+        return [(g.name, g.profiles) for g in self.guarantees] + [("delta", self.delta), ("secure", self.secure)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "counts": None if self.counts is None else self.counts.copy(),
-                "delta": self.delta, "accountant": self.accountant, "releases": self._releases()}
+        return {"rounds": self.rounds, "counts": {k: v.copy() for k, v in self.counts.items()},
+                "max_steps": dict(self.max_steps), "delta": self.delta, "accountant": self.accountant,
+                "releases": self._releases()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rounds = int(state["rounds"])
-        self.counts = None if state["counts"] is None else np.asarray(state["counts"], dtype=np.int64).copy()
         if state.get("delta") != self.delta or state.get("accountant") != self.accountant:
             raise ConfigError("resume", {"delta": state.get("delta"), "accountant": state.get("accountant")},
                               f"the checkpoint's ledger used other delta/accountant than this run's "
                               f"({self.delta}, {self.accountant})", "resume with the same PrivacyLedger settings")
-        self._saved_releases = state.get("releases")
+        self.rounds = int(state["rounds"])
+        self.counts = {k: np.asarray(v, dtype=np.int64).copy() for k, v in state["counts"].items()}
+        self.max_steps = dict(state.get("max_steps", {}))
+        self._saved = state
         self._cache.clear()

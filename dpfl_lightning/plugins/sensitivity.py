@@ -1,9 +1,9 @@
-"""What update clipping and update normalization share: a norm bound ``C`` on every client update.
+"""What update clipping and update normalization share: a norm bound ``C`` on every client's payload.
 
-Sensitivity (client-level DP): with every update's L2 norm at most ``C``, adding or removing one
-client changes the sum of updates by at most ``C`` in L2 norm (replacing one client: ``2C``).
-:class:`~dpfl_lightning.plugins.gaussian_noise.GaussianNoise` reads ``max_norm`` from the bounding
-plugin before it to turn a noise multiplier into a standard deviation.
+Sensitivity (client-level DP): with every client's contribution of L2 norm at most ``C``, adding or
+removing one client changes the sum by at most ``C`` in L2 norm (replacing one client: ``2C``).
+A bound acts on one or more payload segments jointly (default: the model update); noise plugins
+after it read the bound of the segments they cover from the set-up context.
 """
 
 from __future__ import annotations
@@ -13,54 +13,100 @@ import math
 import torch
 
 from dpfl_lightning.errors import require
-from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, ClientUpdate, FederatedCallback
+from dpfl_lightning.payload import UPDATE, Segment
+from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
+from dpfl_lightning.releases import MetricRelease
+
+_SHRINK = 1.0 - 2.0**-20
 
 
-def _norm(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64))
+def _norm(parts: list[torch.Tensor]) -> float:
+    if len(parts) == 1:
+        return float(torch.linalg.vector_norm(parts[0], dtype=torch.float64))
+    return math.sqrt(sum(float(torch.linalg.vector_norm(p, dtype=torch.float64)) ** 2 for p in parts))
 
 
-def scale_to_norm_(update: torch.Tensor, target: float, only_if_above: bool) -> float:
-    """Scale ``update`` in place to L2 norm ``target`` (or to at most ``target``); return its norm before.
+def _scale(parts: list[torch.Tensor], factor: float) -> None:
+    for p in parts:
+        if p.dtype == torch.float64 or 1e-30 < factor < 1e30:
+            p.mul_(factor)
+        else:  # the factor is not a float32 number (a tiny update normalized to C): scale in float64
+            p.copy_(p.double().mul_(factor))
 
-    The float32 product ``update * (target / norm)`` can land a few ulp above ``target``; the result
-    is nudged down until its float64 norm is ``<= target``, so the bound holds exactly, not up to
-    rounding. A zero update stays zero (normalizing it would divide by zero).
+
+def scale_to_norm_(parts: torch.Tensor | list[torch.Tensor], target: float, only_if_above: bool) -> float:
+    """Scale ``parts`` (jointly) in place to L2 norm ``target``, or to at most ``target`` with
+    ``only_if_above``; return their norm before.
+
+    The bound holds exactly, not up to rounding: the float32 product ``u * (C / ||u||)`` can land a
+    few ulp above ``C``, so the result is shrunk (then moved one ulp towards zero, a bounded number of
+    times) until its float64 norm is ``<= C``. It always returns: a zero update stays zero, a
+    non-finite one is left for the trainer's finite check, and a tiny one (say 1e-40) is scaled in
+    float64, where ``C / ||u||`` does not overflow.
     """
-    norm = _norm(update)
-    if norm == 0.0 or (only_if_above and norm <= target):
+    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+    norm = _norm(parts)
+    if not math.isfinite(norm) or norm == 0.0 or (only_if_above and norm <= target):
         return norm
-    factor = target / norm
-    update.mul_(factor)
-    shrink = 1.0 - 2.0**-23
-    while _norm(update) > target:
-        update.mul_(shrink)
+    _scale(parts, target / norm)
+    for _ in range(4):
+        now = _norm(parts)
+        if now <= target:
+            return norm
+        _scale(parts, target / now * _SHRINK)
+    for _ in range(64):  # each pass lowers every non-zero magnitude by one ulp
+        if _norm(parts) <= target:
+            return norm
+        for p in parts:
+            p.copy_(torch.nextafter(p, torch.zeros_like(p)))
+    for p in parts:  # unreachable in practice; the bound must hold whatever happens
+        p.zero_()
     return norm
 
 
 class SensitivityBound(FederatedCallback):
-    """Base of the plugins that bound each client's update norm by ``max_norm``."""
+    """Base of the plugins that bound each client's contribution by ``max_norm``.
+
+    Args:
+        max_norm: the bound ``C`` (> 0).
+        segments: the payload segments bounded jointly (default: the model update).
+        log_norms: also send and log the mean raw norm and the fraction of bounded clients. These
+            are statistics of raw updates with no noise: a DP run refuses them unless
+            ``log_client_metrics=True`` releases them knowingly (then they are not accounted).
+    """
 
     order = ORDER_BOUND_SENSITIVITY
     only_if_above = True
 
-    def __init__(self, max_norm: float, log_norms: bool = False) -> None:
+    def __init__(self, max_norm: float, segments: tuple[str, ...] | list[str] = (UPDATE,), log_norms: bool = False) -> None:
         require(isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0,
                 f"{type(self).__name__}.max_norm", max_norm, "the norm bound C must be a finite number > 0",
                 "set max_norm to a positive value such as 1.0")
+        require(len(segments) >= 1, f"{type(self).__name__}.segments", segments, "bounds nothing",
+                "name at least one payload segment, e.g. ['update']")
         self.max_norm = float(max_norm)
+        self.segments = tuple(segments)
         self.log_norms = bool(log_norms)
-        # Raw-update statistics are not private: they only cross the communicator when asked for.
-        self.aggregated_scalars = ("update_norm", "bounded") if self.log_norms else ()
 
-    def on_client_end(self, *, trainer, result: ClientUpdate) -> None:
-        norm = scale_to_norm_(result.update, self.max_norm, self.only_if_above)
+    def payload_segments(self, *, ctx) -> list[Segment]:
+        if not self.log_norms:
+            return []
+        owner = type(self).__name__
+        return [Segment("raw_norm", 1, "data", owner), Segment("bounded", 1, "data", owner)]
+
+    def released_metrics(self, *, ctx) -> list[MetricRelease]:
+        owner = type(self).__name__
+        return [MetricRelease("update_norm_mean", "unaccounted", owner, "mean raw update norm"),
+                MetricRelease("fraction_bounded", "unaccounted", owner, "fraction of clients above the bound")]
+
+    def on_client_end(self, *, client) -> None:
+        norm = scale_to_norm_([client.payload[s] for s in self.segments], self.max_norm, self.only_if_above)
         if self.log_norms:
-            result.scalars["update_norm"] = norm
-            result.scalars["bounded"] = float(norm > self.max_norm or not self.only_if_above)
+            client.payload["raw_norm"].fill_(norm)
+            client.payload["bounded"].fill_(float(norm > self.max_norm or not self.only_if_above))
 
-    def on_round_end(self, *, trainer, round_idx: int, metrics: dict[str, float]) -> None:
-        agg = trainer.last_aggregate
+    def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
+        agg = server.aggregate
         if self.log_norms and agg is not None and agg.num_clients:
-            metrics["update_norm_mean"] = agg.scalars["update_norm"] / agg.num_clients
-            metrics["fraction_bounded"] = agg.scalars["bounded"] / agg.num_clients
+            metrics["update_norm_mean"] = agg.scalar("raw_norm") / agg.num_clients
+            metrics["fraction_bounded"] = agg.scalar("bounded") / agg.num_clients

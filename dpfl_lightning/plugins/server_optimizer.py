@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpfl_lightning.errors import require
-from dpfl_lightning.plugins.base import ORDER_SERVER_OPTIMIZER, Aggregate, FederatedCallback
+from dpfl_lightning.plugins.base import ORDER_SERVER_OPTIMIZER, FederatedCallback
 
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 
@@ -53,9 +53,11 @@ class ServerOptimizer(FederatedCallback):
         self._opt: torch.optim.Optimizer | None = None
         self._pending_state: dict | None = None
 
-    def setup(self, *, trainer, module) -> None:
+    def setup(self, *, ctx) -> None:
+        if ctx.module is None:
+            return
         # The Parameter shares storage with the global model: stepping it updates the global model.
-        self._param = nn.Parameter(module.global_params, requires_grad=True)
+        self._param = nn.Parameter(ctx.module.global_params, requires_grad=True)
         if self.optimizer == "sgd":
             self._opt = torch.optim.SGD([self._param], lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
                                         weight_decay=self.weight_decay)
@@ -68,11 +70,11 @@ class ServerOptimizer(FederatedCallback):
             self._opt.load_state_dict(self._pending_state)
             self._pending_state = None
 
-    def on_server_update(self, *, trainer, update: torch.Tensor, aggregate: Aggregate) -> None:
+    def on_server_update(self, *, server) -> None:
         assert self._opt is not None
         for group in self._opt.param_groups:
-            group["lr"] = self.lr * self.lr_decay**aggregate.round_idx
-        self._param.grad = update.to(self._param.dtype).neg_()
+            group["lr"] = self.lr * self.lr_decay**server.round_idx
+        self._param.grad = server.update.to(self._param.dtype).neg_()
         self._opt.step()
         self._param.grad = None
 

@@ -1,7 +1,9 @@
-"""Privacy accounting: what each mechanism releases, epsilon from dp_accounting / Opacus,
-noise calibration, and the per-round ledger with an optional budget."""
+"""Privacy accounting: what mechanisms release, the guarantees they give and towards whom,
+epsilon from dp_accounting / Opacus, and noise calibration. (The per-round ledger is a plugin:
+:class:`dpfl_lightning.plugins.PrivacyLedger`.)"""
 
-from dpfl_lightning.privacy.accountants import ACCOUNTANTS, Epsilon, GaussianRelease, epsilon
+from dpfl_lightning.privacy.accountants import ACCOUNTANTS, Epsilon, GaussianRelease, Release, epsilon
 from dpfl_lightning.privacy.calibrate import calibrate_noise, max_steps
+from dpfl_lightning.privacy.mechanisms import Mechanism
 
-__all__ = ["ACCOUNTANTS", "Epsilon", "GaussianRelease", "calibrate_noise", "epsilon", "max_steps"]
+__all__ = ["ACCOUNTANTS", "Epsilon", "GaussianRelease", "Mechanism", "Release", "calibrate_noise", "epsilon", "max_steps"]

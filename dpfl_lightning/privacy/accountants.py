@@ -1,7 +1,8 @@
-"""Epsilon of composed Gaussian releases, from Google's ``dp_accounting`` (RDP, PLD) and Opacus (PRV).
+"""Epsilon of composed releases, from Google's ``dp_accounting`` (RDP, PLD) and Opacus (PRV).
 
-A :class:`GaussianRelease` describes one use of the Gaussian mechanism and the sampling in front of
-it; :func:`epsilon` composes it ``steps`` times. Nothing here re-derives a bound the libraries
+A :class:`Release` describes one use of some mechanisms (``dp_accounting`` events: Gaussian,
+Laplace, randomized response for pure-epsilon local randomizers) and the sampling in front of them;
+:func:`epsilon` composes it ``steps`` times. Nothing here re-derives a bound the libraries
 already implement:
 
 - ``rdp``: ``dp_accounting.rdp.RdpAccountant`` (Mironov 2017; Poisson subsampling: Mironov, Talwar,
@@ -19,7 +20,7 @@ result says so.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import dp_accounting
@@ -42,18 +43,34 @@ RELATIONS = {"add_remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace_one":
 PLD_DISCRETIZATION = 1e-3  # dp_accounting's default is 1e-4: ~10x slower for a ~1e-4 relative gain
 
 
-@dataclass(frozen=True)
-class GaussianRelease:
-    """One Gaussian mechanism with multiplier ``noise_multiplier = std / sensitivity``, where the
-    sensitivity is measured under ``relation``, preceded by ``sampling``:
+def _effective_gaussian(events: tuple[dp_accounting.DpEvent, ...]) -> float | None:
+    """The multiplier of the one Gaussian equivalent to Gaussians applied to the same sample:
+    ``(sum z_i^-2)^(-1/2)`` (their privacy losses add as one Gaussian's); ``None`` otherwise."""
+    if not events or not all(isinstance(e, dp_accounting.GaussianDpEvent) for e in events):
+        return None
+    if any(e.noise_multiplier == 0 for e in events):
+        return 0.0
+    return sum(e.noise_multiplier**-2 for e in events) ** -0.5
 
-    - ``poisson``: every unit (client or record) independently with probability ``rate``;
+
+@dataclass(frozen=True)
+class Release:
+    """What one use of a set of mechanisms on the same sample releases about one unit (a client or a
+    record), preceded by ``sampling``:
+
+    - ``poisson``: every unit independently with probability ``rate``;
     - ``without_replacement``: a fixed-size sample of ``sample_size`` out of ``population``
       (accounted under ``replace_one``, as the bound requires);
     - ``none``: every unit takes part (``rate = 1``).
+
+    ``events`` are ``dp_accounting`` events of the unsampled mechanisms, in the units of
+    ``relation``: a Gaussian's multiplier is its standard deviation over the distance between two
+    neighbours' outputs (``C`` under add/remove, ``2C`` under replace-one for a sum of
+    ``C``-bounded contributions). Gaussians on the same sample are one Gaussian
+    (:attr:`noise_multiplier`).
     """
 
-    noise_multiplier: float
+    events: tuple[dp_accounting.DpEvent, ...]
     sampling: str = "none"
     rate: float = 1.0
     relation: str = "add_remove"
@@ -64,7 +81,10 @@ class GaussianRelease:
         require(self.sampling in SAMPLINGS, "privacy.sampling", self.sampling, "unknown sampling", f"use one of {SAMPLINGS}")
         require(self.relation in RELATIONS, "privacy.relation", self.relation, "unknown neighbouring relation",
                 f"use one of {tuple(RELATIONS)}")
-        require(self.noise_multiplier >= 0, "noise_multiplier", self.noise_multiplier, "must be >= 0", "use z >= 0")
+        require(len(self.events) >= 1, "privacy.events", self.events, "a release needs at least one event",
+                "declare the mechanism's event")
+        z = self.noise_multiplier
+        require(z is None or z >= 0, "noise_multiplier", z, "must be >= 0", "use z >= 0")
         if self.sampling == "poisson":
             require(0 < self.rate <= 1, "sampling_rate", self.rate, "must be in (0, 1]", "use a rate in (0, 1]")
         if self.sampling == "without_replacement":
@@ -76,6 +96,19 @@ class GaussianRelease:
                     "needs 1 <= sample_size <= population", "give population and sample_size")
 
     @property
+    def noise_multiplier(self) -> float | None:
+        """The equivalent Gaussian's multiplier when every event is Gaussian, else ``None``."""
+        return _effective_gaussian(self.events)
+
+    @property
+    def gaussian(self) -> bool:
+        return self.noise_multiplier is not None
+
+    def with_noise_multiplier(self, z: float) -> Release:
+        """The same sampling with one Gaussian of multiplier ``z`` (for calibration)."""
+        return replace(self, events=(dp_accounting.GaussianDpEvent(z),))
+
+    @property
     def effective_rate(self) -> float:
         if self.sampling == "poisson":
             return self.rate
@@ -83,14 +116,28 @@ class GaussianRelease:
             return self.sample_size / self.population
         return 1.0
 
+    def base_event(self) -> dp_accounting.DpEvent:
+        """The unsampled event (Gaussians merged into one)."""
+        z = self.noise_multiplier
+        if z is not None:
+            return dp_accounting.GaussianDpEvent(z)
+        return self.events[0] if len(self.events) == 1 else dp_accounting.ComposedDpEvent(list(self.events))
+
     def dp_event(self) -> dp_accounting.DpEvent:
         """The ``dp_accounting`` event of one release."""
-        gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        inner = self.base_event()
         if self.sampling == "poisson" and self.rate < 1:
-            return dp_accounting.PoissonSampledDpEvent(self.rate, gaussian)
+            return dp_accounting.PoissonSampledDpEvent(self.rate, inner)
         if self.sampling == "without_replacement" and self.sample_size < self.population:
-            return dp_accounting.SampledWithoutReplacementDpEvent(self.population, self.sample_size, gaussian)
-        return gaussian
+            return dp_accounting.SampledWithoutReplacementDpEvent(self.population, self.sample_size, inner)
+        return inner
+
+
+def GaussianRelease(noise_multiplier: float, sampling: str = "none", rate: float = 1.0, relation: str = "add_remove",
+                    population: int | None = None, sample_size: int | None = None) -> Release:
+    """A :class:`Release` of one Gaussian mechanism with multiplier ``std / distance``."""
+    return Release((dp_accounting.GaussianDpEvent(float(noise_multiplier)),), sampling, rate, relation, population,
+                   sample_size)
 
 
 @dataclass(frozen=True)
@@ -107,19 +154,29 @@ def _check(delta: float) -> None:
             "set delta well below 1/N, e.g. 1e-5")
 
 
+def _unamplified(release: Release) -> tuple[Release, str]:
+    """dp_accounting amplifies only Gaussian (RDP) or Gaussian/Laplace (PLD) events by sampling;
+    other releases are accounted as if every unit took part (a valid upper bound)."""
+    if release.gaussian or release.sampling == "none":
+        return release, ""
+    return replace(release, sampling="none", rate=1.0, population=None, sample_size=None), \
+        "no amplification by sampling for a non-Gaussian release: upper bound"
+
+
 @lru_cache(maxsize=256)
-def rdp_curve(release: GaussianRelease) -> np.ndarray:
+def rdp_curve(release: Release) -> np.ndarray:
     """RDP of one release at ``DEFAULT_RDP_ORDERS``, as ``dp_accounting`` computes it.
 
     Composition multiplies this curve by the number of steps, which is what ``RdpAccountant``
     does for a self-composed event; so ``epsilon`` from it equals the accountant's bit for bit.
     """
+    release, _ = _unamplified(release)
     acc = dp_rdp.RdpAccountant(neighboring_relation=RELATIONS[release.relation])
     acc.compose(release.dp_event())
     return np.array(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the public API only gives epsilon
 
 
-def _rdp_epsilon(release: GaussianRelease, steps: int, delta: float) -> float:
+def _rdp_epsilon(release: Release, steps: int, delta: float) -> float:
     if steps == 0 or release.effective_rate == 0:
         return 0.0
     eps, _ = compute_epsilon(DEFAULT_RDP_ORDERS, steps * rdp_curve(release), delta)
@@ -127,7 +184,7 @@ def _rdp_epsilon(release: GaussianRelease, steps: int, delta: float) -> float:
 
 
 @lru_cache(maxsize=64)
-def _base_pld(release: GaussianRelease, discretization: float):
+def _base_pld(release: Release, discretization: float):
     # Our noise multiplier is std / (distance between the neighbours' outputs) in both relations.
     # dp_accounting's PLD under REPLACE_ONE compares means -s and +s (distance 2s), so an unsampled
     # Gaussian is passed as add/remove (distance 1): for a Gaussian without sampling only the
@@ -139,15 +196,20 @@ def _base_pld(release: GaussianRelease, discretization: float):
         value_discretization_interval=discretization, neighboring_relation=relation)
 
 
-def _pld_epsilon(release: GaussianRelease, steps: int, delta: float, discretization: float) -> float:
+def _pld_epsilon(release: Release, steps: int, delta: float, discretization: float) -> float:
     if steps == 0:
         return 0.0
+    if not release.gaussian:
+        release, _ = _unamplified(release)
+        acc = dp_pld.PLDAccountant(RELATIONS[release.relation], value_discretization_interval=discretization)
+        acc.compose(dp_accounting.SelfComposedDpEvent(release.dp_event(), steps))
+        return float(acc.get_epsilon(delta))
     if release.noise_multiplier == 0:
         return math.inf
     return float(_base_pld(release, discretization).self_compose(steps).get_epsilon_for_delta(delta))
 
 
-def _prv_epsilon(release: GaussianRelease, steps: int, delta: float) -> float:
+def _prv_epsilon(release: Release, steps: int, delta: float) -> float:
     """Opacus's PRV of the (Poisson-subsampled) Gaussian; its multiplier is std / distance, as ours
     (an unsampled replace-one release is the same Gaussian as an add/remove one)."""
     from opacus.accountants import PRVAccountant
@@ -160,7 +222,7 @@ def _prv_epsilon(release: GaussianRelease, steps: int, delta: float) -> float:
         return float(acc.get_epsilon(delta))
 
 
-def epsilon(release: GaussianRelease, steps: int, delta: float, accountant: str = "rdp",
+def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
             pld_discretization: float = PLD_DISCRETIZATION) -> Epsilon:
     """Epsilon at ``delta`` after ``steps`` compositions of ``release``."""
     _check(delta)
@@ -169,13 +231,16 @@ def epsilon(release: GaussianRelease, steps: int, delta: float, accountant: str 
     require(steps >= 0, "steps", steps, "must be >= 0", "count compositions from 0")
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:
         return Epsilon(math.inf, accountant, "no noise")
+    note = _unamplified(release)[1]
     if accountant == "rdp":
-        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp")
+        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", note)
     if release.sampling == "without_replacement":
         return Epsilon(_rdp_epsilon(release, steps, delta), "rdp",
                        f"{accountant} does not support sampling without replacement: RDP upper bound")
     if accountant == "pld":
-        return Epsilon(_pld_epsilon(release, steps, delta, pld_discretization), "pld")
+        return Epsilon(_pld_epsilon(release, steps, delta, pld_discretization), "pld", note)
+    if not release.gaussian:
+        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", "prv supports Gaussian releases only: RDP upper bound")
     if release.relation != "add_remove" and release.sampling != "none":
         return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", "prv supports add/remove neighbours only: RDP upper bound")
     return Epsilon(_prv_epsilon(release, steps, delta), "prv")
@@ -233,9 +298,9 @@ def fast_rdp_poisson_gaussian(q: float, z: float) -> np.ndarray:
     return out
 
 
-def fast_rdp_epsilon(release: GaussianRelease, steps: int, delta: float) -> float:
+def fast_rdp_epsilon(release: Release, steps: int, delta: float) -> float:
     """Like the ``rdp`` accountant, for Poisson / no sampling under add/remove; for bracketing."""
-    if release.sampling == "without_replacement" or release.relation != "add_remove":
+    if release.sampling == "without_replacement" or release.relation != "add_remove" or not release.gaussian:
         return _rdp_epsilon(release, steps, delta)
     curve = fast_rdp_poisson_gaussian(release.effective_rate, release.noise_multiplier)
     eps, _ = compute_epsilon(DEFAULT_RDP_ORDERS, steps * curve, delta)

@@ -15,11 +15,11 @@ log-space needs a handful of PLD evaluations.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Callable
 
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.privacy.accountants import ACCOUNTANTS, GaussianRelease, epsilon, fast_rdp_epsilon
+from dpfl_lightning.privacy.accountants import ACCOUNTANTS, GaussianRelease, Release, epsilon, fast_rdp_epsilon
+from dpfl_lightning.privacy.guarantees import Guarantee, Profile
 
 Z_MIN, Z_MAX = 1e-3, 1e5
 
@@ -81,17 +81,17 @@ def calibrate_noise(target_epsilon: float, delta: float, steps: int, sampling_ra
                              target_epsilon, delta, steps, accountant, rtol)
 
 
-def calibrate_release(base: GaussianRelease, target_epsilon: float, delta: float, steps: int,
+def calibrate_release(base: Release, target_epsilon: float, delta: float, steps: int,
                       accountant: str = "rdp", rtol: float = 0.01) -> float:
     """:func:`calibrate_noise` for the sampling and relation of ``base`` (its multiplier is ignored)."""
     _validate(target_epsilon, delta, accountant)
     require(isinstance(steps, int) and steps >= 1, "rounds", steps, "must be an integer >= 1", "set rounds >= 1")
 
     def exact(z: float) -> float:
-        return epsilon(replace(base, noise_multiplier=z), steps, delta, accountant).epsilon
+        return epsilon(base.with_noise_multiplier(z), steps, delta, accountant).epsilon
 
     def fast(z: float) -> float:
-        return fast_rdp_epsilon(replace(base, noise_multiplier=z), steps, delta)
+        return fast_rdp_epsilon(base.with_noise_multiplier(z), steps, delta)
 
     if fast(Z_MAX) > target_epsilon:
         raise ConfigError("target_epsilon", target_epsilon,
@@ -103,9 +103,9 @@ def calibrate_release(base: GaussianRelease, target_epsilon: float, delta: float
     while fast(lo) <= target_epsilon and lo > Z_MIN:
         lo, hi = lo / 4, lo
     z_rdp = _search(fast, target_epsilon, lo, hi, rtol / 10)
-    while epsilon(replace(base, noise_multiplier=z_rdp), steps, delta, "rdp").epsilon > target_epsilon:
+    while epsilon(base.with_noise_multiplier(z_rdp), steps, delta, "rdp").epsilon > target_epsilon:
         z_rdp *= 1 + 1e-6  # the vectorised and dp_accounting's RDP agree to ~1e-13; guard anyway
-    if accountant == "rdp" or epsilon(replace(base, noise_multiplier=z_rdp), steps, delta, accountant).method == "rdp":
+    if accountant == "rdp" or epsilon(base.with_noise_multiplier(z_rdp), steps, delta, accountant).method == "rdp":
         return z_rdp
     hi = z_rdp
     while exact(hi) > target_epsilon:  # RDP is normally the looser bound; do not rely on it
@@ -151,3 +151,42 @@ def largest_within(eps_of: Callable[[int], float], target: float, cap: int) -> i
         else:
             hi = mid
     return lo
+
+
+def calibrate_guarantee(guarantee_at: Callable[[float], Guarantee], compositions: Callable[[Profile], int],
+                        target_epsilon: float, delta: float, accountant: str = "rdp", rtol: float = 0.01) -> float:
+    """The smallest multiplier ``z`` (to ``rtol``) for which the guarantee built by
+    ``guarantee_at(z)`` stays within ``target_epsilon`` after ``compositions(profile)``
+    compositions of each of its profiles (its worst client); never above the target.
+
+    Every calibrated plugin goes through here (Gaussian noise, DP-SGD, ...). Where a profile's
+    release is one Gaussian whose multiplier scales with ``z`` (the common case) the fast
+    :func:`calibrate_release` does the work; otherwise (other mechanisms composed in the same
+    guarantee) a bracketed search runs on the exact epsilon.
+    """
+    _validate(target_epsilon, delta, accountant)
+    one, two = guarantee_at(1.0), guarantee_at(2.0)
+    z = 0.0
+    for k, profile in enumerate(one.profiles):
+        steps = int(compositions(profile))
+        if steps == 0:
+            continue
+        r1, r2 = profile.release, two.profiles[k].release
+        if r1.gaussian and r2.gaussian and r1.noise_multiplier > 0 and \
+                math.isclose(r2.noise_multiplier, 2 * r1.noise_multiplier, rel_tol=1e-12):
+            z = max(z, calibrate_release(r1, target_epsilon, delta, steps, accountant, rtol) / r1.noise_multiplier)
+            continue
+
+        def eps(x: float, k: int = k, steps: int = steps) -> float:
+            return epsilon(guarantee_at(x).profiles[k].release, steps, delta, accountant).epsilon
+
+        if eps(Z_MAX) > target_epsilon:
+            raise ConfigError("target_epsilon", target_epsilon, f"is unreachable at delta={delta:g}",
+                              "raise the target epsilon or delta, or lower the number of rounds")
+        lo, hi = 1.0, 1.0
+        while eps(hi) > target_epsilon:
+            lo, hi = hi, hi * 4
+        while eps(lo) <= target_epsilon and lo > Z_MIN:
+            lo, hi = lo / 4, lo
+        z = max(z, _search(eps, target_epsilon, lo, hi, rtol))
+    return z

@@ -12,8 +12,8 @@ from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 
 class Participation(FederatedCallback):
-    def on_client_end(self, *, trainer, result):
-        state = trainer.client_state(result.client)
+    def on_client_end(self, *, client):
+        state = client.state
         state["n"] = state.get("n", 0) + 1
 
 

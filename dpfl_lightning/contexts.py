@@ -1,0 +1,128 @@
+"""What plugin hooks receive: a set-up context, a client context and a server context.
+
+Hooks get what they need to do their job and nothing else: a plugin never reaches into the trainer,
+the executor or the module's privates, so the trainer can change without breaking plugins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from dpfl_lightning.payload import Aggregate
+from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.rng import RandomSource
+
+if TYPE_CHECKING:
+    from dpfl_lightning.data.module import FederatedDataModule
+    from dpfl_lightning.module import FederatedLightningModule
+    from dpfl_lightning.privacy.planning import PrivacyPlanner
+    from dpfl_lightning.sampling import ClientSampler
+
+
+@dataclass
+class SetupContext:
+    """Everything fixed for a run, given to ``configure_model``, ``setup``, ``payload_segments``,
+    ``privacy_mechanisms``, ``released_metrics``, ``on_fit_start`` and ``on_fit_end``.
+
+    ``module`` and ``model`` are ``None`` when only the privacy of a configuration is planned
+    (``dpfl privacy epsilon``): a plugin's ``setup`` must then not touch them.
+    """
+
+    module: FederatedLightningModule | None
+    data: FederatedDataModule
+    sampler: ClientSampler
+    plan: RoundPlan  # the default plan of every round (before plugins edit it)
+    rounds: int
+    random: RandomSource
+    privacy: PrivacyPlanner
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rank: int = 0
+    world_size: int = 1
+    verbose: bool = True
+    norm_bounds: list[tuple[int, tuple[str, ...], Callable[[], float]]] = field(default_factory=list)
+    positions: dict[int, int] = field(default_factory=dict)  # id(plugin) -> its position in the plugin list
+    mechanisms: list = field(default_factory=list)  # every declared mechanism, filled before the ledger's setup
+
+    @property
+    def model(self) -> Any:
+        return None if self.module is None else self.module.inner
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def seed(self) -> int:
+        return self.random.seed
+
+    @property
+    def secure(self) -> bool:
+        return self.random.secure
+
+    def norm_bound(self, segments: tuple[str, ...], before: Any) -> Callable[[], float] | None:
+        """The L2 bound on the joint norm of ``segments`` that the bounding plugins running before
+        ``before`` enforce on every client, as a function (an adaptive bound changes every round):
+        the root of the sum of squared bounds of every bounded group of segments that touches
+        them; ``None`` if some segment is not bounded."""
+        limit = self.positions.get(id(before), len(self.positions))
+        touched = [(segs, c) for pos, segs, c in self.norm_bounds if pos < limit and set(segs) & set(segments)]
+        if not set(segments) <= {s for segs, _ in touched for s in segs}:
+            return None
+        getters = [c for _, c in touched]
+        return lambda: math.sqrt(sum(c() ** 2 for c in getters))
+
+
+@dataclass
+class ClientContext:
+    """One client in one round, given to ``on_client_start``, ``wrap_optimizer``,
+    ``on_before_optimizer_step`` and ``on_client_end``.
+
+    ``payload`` holds the client's named segments (modify them in place in ``on_client_end``);
+    ``state`` is the client's own state, which lives on the rank that trains it and is
+    checkpointed by client id. ``replay`` is true when ``on_client_end`` runs a second time for a
+    client whose update was not finite, on a zero update: stateful plugins must not update twice.
+    """
+
+    client: int
+    round_idx: int
+    plan: RoundPlan
+    random: RandomSource
+    state: dict[str, Any]
+    model: Any = None
+    payload: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_samples: int = 0
+    steps: int = 0
+    lr: float = 0.0
+    replay: bool = False
+
+    @property
+    def update(self) -> torch.Tensor:
+        return self.payload["update"]
+
+
+@dataclass
+class ServerContext:
+    """The server side of one round, given to ``before_round``, ``on_aggregate``,
+    ``on_server_update`` and ``on_round_end``. Identical on every rank.
+
+    ``aggregate`` holds the cohort's sums by segment (after the all-reduce); ``update`` the mean
+    update the server optimizer applies (``on_server_update``); ``global_params`` the flat global
+    model. ``my_clients`` are the clients of this round that this rank trained, whose state
+    ``client_state(c)`` gives.
+    """
+
+    round_idx: int
+    plan: RoundPlan
+    random: RandomSource
+    num_clients: int
+    global_params: torch.Tensor | None = None
+    aggregate: Aggregate | None = None
+    update: torch.Tensor | None = None
+    my_clients: list[int] = field(default_factory=list)
+    client_state: Callable[[int], dict[str, Any]] | None = None
+    stop: Callable[[str], None] | None = None
+    next_plan: Callable[[], RoundPlan | None] | None = None  # the next round's default plan (None after the last)

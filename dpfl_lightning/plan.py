@@ -1,0 +1,51 @@
+"""RoundPlan: what a round will train. Plugins may edit it in ``before_round``; the executor trains
+exactly what it says and the privacy ledger accounts exactly that."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dpfl_lightning.errors import require
+
+BATCH_SAMPLINGS = ("shuffle", "poisson", "fixed")
+
+
+@dataclass
+class RoundPlan:
+    """One round's work.
+
+    Attributes:
+        round_idx: the round (0-based).
+        cohort: the sampled clients, sorted (read-only: the accountant assumes the sampler's cohort).
+        local_steps / local_epochs: a client's local work (exactly one of them is set).
+        batch_size: ``None`` for full-batch steps.
+        batch_sampling: ``shuffle`` (passes over the data), or DP-SGD's ``poisson`` / ``fixed``
+            (every batch drawn independently, as its accountant assumes).
+        lr_factor: the clients' learning rates are multiplied by this (client lr decay).
+    """
+
+    round_idx: int
+    cohort: tuple[int, ...]
+    local_steps: int | None = None
+    local_epochs: int | None = 1
+    batch_size: int | None = 32
+    batch_sampling: str = "shuffle"
+    lr_factor: float = 1.0
+    notes: dict[str, float] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        require((self.local_steps is None) != (self.local_epochs is None), "RoundPlan.local_steps",
+                (self.local_steps, self.local_epochs), "exactly one of local_steps and local_epochs must be set",
+                "set one of them in before_round")
+        require((self.local_steps or self.local_epochs) >= 1, "RoundPlan.local_steps",
+                self.local_steps or self.local_epochs, "must be >= 1", "plan at least one local step")
+        require(self.batch_sampling in BATCH_SAMPLINGS, "RoundPlan.batch_sampling", self.batch_sampling,
+                "unknown batch sampling", f"use one of {BATCH_SAMPLINGS}")
+
+    def steps_for(self, num_samples: int) -> int:
+        """Local steps a client with ``num_samples`` records takes under this plan."""
+        if self.local_steps is not None:
+            return self.local_steps
+        bs = num_samples if not self.batch_size else min(self.batch_size, num_samples)
+        return self.local_epochs * math.ceil(num_samples / bs)

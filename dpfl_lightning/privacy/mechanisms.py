@@ -1,0 +1,120 @@
+"""What a plugin declares about a mechanism it runs: a :class:`Mechanism`.
+
+A mechanism is a ``dp_accounting`` event (Gaussian, Laplace, or randomized response for a pure
+epsilon-DP local randomizer such as PrivUnit) together with:
+
+- its **sensitivity** (the bound on one unit's contribution the noise is scaled to);
+- its **granularity**: ``client`` (a client's whole contribution is the unit) or ``record`` (one
+  record inside a client: DP-SGD);
+- its **placement**: ``local`` (each client randomizes before anything leaves it), ``distributed``
+  (each client adds a share; the sum carries the full noise; needs secure aggregation) or
+  ``central`` (noise on the aggregate: a trusted aggregator);
+- the **payload segments** it protects (``covers``): every segment that leaves a client in a DP
+  run must be covered by some mechanism (see :mod:`dpfl_lightning.payload`).
+
+Events are given for both neighbouring relations: ``add_remove`` (one unit more or less; the
+distance between two neighbours' sums of ``C``-bounded contributions is ``C``) and
+``replace_one`` (one unit's data replaced: ``2C``). A Gaussian's multiplier is its standard
+deviation over that distance. A pure epsilon-DP local randomizer is accounted as binary
+randomized response with the same epsilon, the dominating pair of every pure epsilon-DP mechanism
+(Kairouz, Oh, Viswanath 2015), valid under replace-one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import dp_accounting
+
+from dpfl_lightning.errors import require
+
+GRANULARITIES = ("client", "record")
+PLACEMENTS = ("local", "central", "distributed")
+
+
+@dataclass(frozen=True)
+class RecordProfile:
+    """DP-SGD clients that share a dataset size: ``records`` each, every record in a batch with
+    probability ``rate`` (Poisson) or ``batch`` records without replacement (fixed)."""
+
+    records: int
+    rate: float
+    batch: int
+    clients: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """A DP mechanism a plugin runs every round (see module docstring).
+
+    Build one with :meth:`gaussian`, :meth:`laplace`, :meth:`pure` or :meth:`dp_sgd`.
+    """
+
+    source: str
+    granularity: str
+    placement: str
+    add_remove: dp_accounting.DpEvent | None
+    replace_one: dp_accounting.DpEvent
+    sensitivity: float
+    covers: tuple[str, ...]
+    description: str
+    record_profiles: tuple[RecordProfile, ...] = ()
+    record_sampling: str = "poisson"
+    noise_multiplier: float | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        require(self.granularity in GRANULARITIES, "granularity", self.granularity, "unknown", f"use {GRANULARITIES}")
+        require(self.placement in PLACEMENTS, "placement", self.placement, "unknown", f"use {PLACEMENTS}")
+        require(self.sensitivity > 0, "sensitivity", self.sensitivity, "must be > 0", "bound the contribution first")
+
+    def event(self, relation: str) -> dp_accounting.DpEvent:
+        """The unsampled event under ``relation`` (``add_remove`` or ``replace_one``)."""
+        if relation == "add_remove":
+            if self.add_remove is None:
+                raise ValueError(f"{self.source}: a local randomizer is accounted under replace-one only")
+            return self.add_remove
+        return self.replace_one
+
+    @property
+    def is_gaussian(self) -> bool:
+        return isinstance(self.replace_one, dp_accounting.GaussianDpEvent)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def gaussian(cls, source: str, std: float, sensitivity: float, placement: str, covers: tuple[str, ...],
+                 granularity: str = "client") -> Mechanism:
+        """``N(0, std^2 I)`` on a sum of contributions of L2 norm at most ``sensitivity``."""
+        z = std / sensitivity
+        return cls(source, granularity, placement, dp_accounting.GaussianDpEvent(z),
+                   dp_accounting.GaussianDpEvent(z / 2), sensitivity, tuple(covers),
+                   f"Gaussian noise std {std:.4g} on contributions of L2 norm <= {sensitivity:.4g} (multiplier {z:.4g})",
+                   noise_multiplier=z)
+
+    @classmethod
+    def laplace(cls, source: str, scale: float, l1_sensitivity: float, placement: str, covers: tuple[str, ...],
+                granularity: str = "client") -> Mechanism:
+        """``Laplace(scale)`` per coordinate on a sum of contributions of L1 norm at most
+        ``l1_sensitivity``."""
+        b = scale / l1_sensitivity
+        return cls(source, granularity, placement, dp_accounting.LaplaceDpEvent(b), dp_accounting.LaplaceDpEvent(b / 2),
+                   l1_sensitivity, tuple(covers),
+                   f"Laplace noise scale {scale:.4g} on contributions of L1 norm <= {l1_sensitivity:.4g}")
+
+    @classmethod
+    def pure(cls, source: str, epsilon: float, covers: tuple[str, ...], sensitivity: float = 1.0) -> Mechanism:
+        """A local randomizer that is pure ``epsilon``-DP for any two inputs (replace-one)."""
+        require(math.isfinite(epsilon) and epsilon > 0, f"{source}.epsilon", epsilon, "must be a finite number > 0",
+                "set a positive epsilon")
+        p = 2.0 / (1.0 + math.exp(epsilon))  # binary randomized response with e^eps = (1 - p/2) / (p/2)
+        return cls(source, "client", "local", None, dp_accounting.RandomizedResponseDpEvent(p, 2), sensitivity,
+                   tuple(covers), f"pure {epsilon:.4g}-DP local randomizer")
+
+    @classmethod
+    def dp_sgd(cls, source: str, noise_multiplier: float, profiles: tuple[RecordProfile, ...], sampling: str) -> Mechanism:
+        """DP-SGD: per-record clipping and Gaussian noise of multiplier ``z`` on each batch's sum;
+        one composition per local step (see :class:`RecordProfile`)."""
+        z = noise_multiplier
+        return cls(source, "record", "local", dp_accounting.GaussianDpEvent(z), dp_accounting.GaussianDpEvent(z / 2),
+                   1.0, ("*",), f"DP-SGD noise multiplier {z:.4g} per local step", profiles, sampling,
+                   noise_multiplier=z)

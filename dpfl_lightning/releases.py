@@ -1,0 +1,101 @@
+"""The release list: what a DP run may log, gather across ranks or checkpoint.
+
+Anything a run writes down is a release about the clients' data. In a DP run only these kinds are
+released:
+
+- ``public``: a function of the settings and of public state (the round, a fixed cohort size, the
+  privacy ledger's epsilon, a noise level);
+- ``noised``: a function of noised releases only (post-processing: a global step size computed
+  from noised sums, an adaptive clip norm driven by a noisy count);
+- ``evaluation``: the global model evaluated on the data module's global test set. When that set is
+  drawn from the clients' own data (:attr:`FederatedDataModule.test_set_from_clients`) the run's
+  privacy line says these metrics are unaccounted releases about those clients.
+
+Everything else is ``unaccounted``: computed from client data without noise (the training loss a
+module logs, per-client evaluations, the number of skipped clients, clipping statistics, wall-clock
+times that depend on the cohort). A DP run withholds it -- from the CSV, W&B, the console summary,
+the history and the checkpoints -- unless the user sets ``log_client_metrics=True``, in which case
+the run's privacy line lists it as released and not accounted.
+
+Plugins declare the metrics they log (:meth:`FederatedCallback.released_metrics`); a key a plugin
+logs without declaring it counts as ``unaccounted``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpfl_lightning.errors import require
+
+KINDS = ("public", "noised", "evaluation", "unaccounted")
+RELEASABLE = ("public", "noised", "evaluation")
+
+
+@dataclass(frozen=True)
+class MetricRelease:
+    """A metric a run may log: ``key`` exactly, or every key starting with ``key[:-1]`` when ``key``
+    ends with ``*``."""
+
+    key: str
+    kind: str
+    source: str
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        require(self.kind in KINDS, f"{self.source}.released_metrics", self.kind, "unknown kind of release",
+                f"use one of {KINDS}")
+
+    def matches(self, key: str) -> bool:
+        return key.startswith(self.key[:-1]) if self.key.endswith("*") else key == self.key
+
+
+class ReleaseList:
+    """The metrics a run declared, and the filter every logged row goes through.
+
+    Args:
+        private: a DP mechanism is declared in the run (otherwise nothing is withheld).
+        opt_in: ``log_client_metrics=True``: unaccounted metrics are released knowingly.
+    """
+
+    def __init__(self, private: bool, opt_in: bool) -> None:
+        self.private = private
+        self.opt_in = opt_in
+        self.declared: list[MetricRelease] = []
+        self.withheld: set[str] = set()
+        self.released_unaccounted: set[str] = set()
+
+    def declare(self, *releases: MetricRelease) -> None:
+        self.declared.extend(releases)
+
+    def kind(self, key: str, source: str | None = None) -> str:
+        """The kind of ``key`` as declared (by ``source``, when given); ``unaccounted`` if undeclared."""
+        for r in self.declared:
+            if (source is None or r.source == source) and r.matches(key):
+                return r.kind
+        return "unaccounted"
+
+    def allows(self, kind: str) -> bool:
+        return not self.private or kind in RELEASABLE or self.opt_in
+
+    def filter(self, metrics: dict[str, float], kinds: dict[str, str]) -> dict[str, float]:
+        """The part of ``metrics`` a run may release; ``kinds`` gives each key's kind."""
+        out = {}
+        for key, value in metrics.items():
+            kind = kinds.get(key, "unaccounted")
+            if self.allows(kind):
+                out[key] = value
+                if self.private and kind == "unaccounted":
+                    self.released_unaccounted.add(key)
+            else:
+                self.withheld.add(key)
+        return out
+
+    def describe(self) -> list[str]:
+        """Lines for the run's privacy statement."""
+        lines = []
+        if self.private and self.opt_in and self.released_unaccounted:
+            lines.append("released on request and NOT accounted (log_client_metrics=True): "
+                         + ", ".join(sorted(self.released_unaccounted)))
+        if self.private and self.withheld:
+            lines.append("withheld from the logs (un-noised client statistics): " + ", ".join(sorted(self.withheld)))
+        return lines

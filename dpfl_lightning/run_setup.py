@@ -1,0 +1,268 @@
+"""Setting a run up: device, ranks, randomness, the module's flat layout, the plugins, the payload
+layout, the privacy mechanisms and ledger, the release list, and the checks of a DP run.
+
+:func:`build_run` does it once per ``fit``, in this order:
+
+1. device, communicator, threads; the data split and the client sampler; the random source
+   (secure mode: a fresh secret from rank 0);
+2. the plugins' ``configure_model``, the module's flat buffers (rank 0's initial model everywhere);
+3. a default server optimizer; norm bounds; every plugin's ``setup`` (calibration happens here);
+4. the mechanisms they declare; a privacy ledger when there is any (then the run is *private*);
+5. the payload layout and the release list; the checks of a DP run (every payload segment covered
+   by a mechanism, uniform weighting, no per-client evaluation, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from rich.console import Console
+
+from dpfl_lightning import rng
+from dpfl_lightning.checkpoint import check_state_keys
+from dpfl_lightning.contexts import SetupContext
+from dpfl_lightning.errors import require
+from dpfl_lightning.payload import UPDATE, PayloadLayout, Segment, check_coverage
+from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
+from dpfl_lightning.plugins.sensitivity import SensitivityBound
+from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
+from dpfl_lightning.privacy.planning import PrivacyPlanner
+from dpfl_lightning.releases import MetricRelease, ReleaseList
+from dpfl_lightning.sampling import ClientSampler
+
+if TYPE_CHECKING:
+    from dpfl_lightning.trainer import FederatedTrainer
+
+
+def _set_rank_zero(rank: int) -> None:
+    """Lightning reads the rank from RANK/LOCAL_RANK/SLURM_PROCID only; under mpiexec every process
+    would think it is rank 0 (two W&B runs). Set it from the communicator."""
+    from lightning.fabric.utilities import rank_zero as fabric_rz
+    from lightning.pytorch.utilities import rank_zero as pl_rz
+    from lightning_utilities.core import rank_zero as util_rz
+
+    for mod in (fabric_rz, pl_rz, util_rz):
+        mod.rank_zero_only.rank = rank
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class RunSetup:
+    """What :func:`build_run` settled for one ``fit``."""
+
+    device: torch.device
+    sampler: ClientSampler
+    random: rng.RandomSource
+    ctx: SetupContext
+    layout: PayloadLayout
+    releases: ReleaseList
+    ledger: PrivacyLedger | None
+    plan_template: dict[str, Any]
+    weighting: str
+    notes: list[str] = field(default_factory=list)
+    current_plan: RoundPlan | None = None
+
+    @property
+    def private(self) -> bool:
+        return self.releases.private
+
+    @property
+    def gathers_client_logs(self) -> bool:
+        """Whether what the module logs during local training is gathered and logged."""
+        return self.releases.allows("unaccounted")
+
+    def default_plan(self, round_idx: int) -> RoundPlan:
+        """Round ``round_idx``'s plan before plugins edit it: the sampled cohort and the trainer's
+        local-work settings."""
+        cohort = tuple(self.sampler.sample(self.random, round_idx))
+        t = self.plan_template
+        return RoundPlan(round_idx, cohort, t["local_steps"], t["local_epochs"], t["batch_size"], "shuffle",
+                         t["client_lr_decay"] ** round_idx)
+
+    def denominator(self, plan: RoundPlan, sums: dict[str, torch.Tensor]) -> float:
+        """What the update sum is divided by: total weight, expected cohort (Poisson: the realised
+        size is not public) or the cohort size."""
+        if self.weighting == "samples":
+            return float(sums["weight"][0])
+        if self.sampler.kind == "poisson":
+            return self.sampler.expected_cohort
+        return float(len(plan.cohort))
+
+    def privacy_lines(self) -> list[str]:
+        lines = list(self.ledger.describe()) if self.ledger is not None and self.ledger.guarantees else []
+        return lines + self.notes
+
+    def print_privacy_statement(self, trainer: FederatedTrainer) -> None:
+        if trainer.is_global_zero and trainer.enable_summary and self.private:
+            console = Console(stderr=True, soft_wrap=True)
+            for line in self.privacy_lines():
+                console.print(f"[bold]privacy[/bold]: {line}")
+
+    def print_release_notes(self) -> None:
+        if self.private:
+            console = Console(stderr=True, soft_wrap=True)
+            for line in self.releases.describe():
+                console.print(f"[bold]privacy[/bold]: {line}")
+
+
+def _random_source(trainer: FederatedTrainer) -> rng.RandomSource:
+    if not trainer.secure:
+        return rng.RandomSource(trainer.seed)
+    secret = rng.new_secret() if trainer.is_global_zero else None
+    secret = trainer.comm.broadcast_object(secret, root=0) if trainer.comm.size > 1 else secret
+    return rng.RandomSource(trainer.seed, secret)
+
+
+def prepare_privacy(trainer: FederatedTrainer, data: Any, module: Any = None,
+                    device: torch.device | None = None) -> SetupContext:
+    """The data split, client sampler, random source and set-up context of ``trainer`` (also used
+    to plan privacy without a model: ``module=None``)."""
+    data.setup()
+    rate = trainer.sampling_rate
+    if trainer.sampling == "poisson" and rate is None and trainer.clients_per_round is not None:
+        rate = trainer.clients_per_round / data.num_clients
+    sampler = ClientSampler(trainer.sampling, data.num_clients, trainer.clients_per_round, rate)
+    random = _random_source(trainer)
+    plan = RoundPlan(0, (), trainer.local_steps, trainer.local_epochs, trainer.batch_size)
+    participations = None if random.secure else (lambda rounds: sampler.participation_counts(random, rounds))
+    planner = PrivacyPlanner(sampler.accounted(), trainer.rounds, participations, plan.steps_for,
+                             min(data.client_num_samples(c) for c in range(data.num_clients)))
+    ctx = SetupContext(module, data, sampler, plan, trainer.rounds, random, planner, device or torch.device("cpu"),
+                       trainer.rank, trainer.world_size, trainer.enable_summary)
+    return ctx
+
+
+def setup_plugins(trainer: FederatedTrainer, ctx: SetupContext) -> PrivacyLedger | None:
+    """Every plugin's ``setup`` (bounds first known), then the declared mechanisms and the ledger."""
+    plugins = trainer.plugins
+    if ctx.module is not None and not any(isinstance(p, ServerOptimizer) for p in plugins):
+        plugins.append(ServerOptimizer("sgd", lr=1.0))
+    plugins.sort(key=lambda p: p.order)
+    require(sum(isinstance(p, ServerOptimizer) for p in plugins) <= 1, "trainer.plugins",
+            [type(p).__name__ for p in plugins], "more than one ServerOptimizer", "keep one ServerOptimizer")
+    ctx.positions = {id(p): i for i, p in enumerate(plugins)}
+    ctx.norm_bounds = [(i, p.segments, (lambda p=p: p.max_norm)) for i, p in enumerate(plugins)
+                       if isinstance(p, SensitivityBound)]
+    ledgers = [p for p in plugins if isinstance(p, PrivacyLedger)]
+    for p in plugins:
+        if p not in ledgers:
+            p.setup(ctx=ctx)
+    collect_mechanisms(plugins, ctx)
+    if ctx.mechanisms and not ledgers:
+        ledgers = [PrivacyLedger()]
+        plugins.append(ledgers[0])
+    for ledger in ledgers:
+        ledger.setup(ctx=ctx)
+    check_state_keys(plugins)
+    return ledgers[0] if ledgers else None
+
+
+def collect_mechanisms(plugins: list, ctx: SetupContext) -> None:
+    """Every mechanism the plugins declare now (also after a resume restored calibrated noise)."""
+    ctx.mechanisms = [m for p in plugins if not isinstance(p, PrivacyLedger) for m in p.privacy_mechanisms(ctx=ctx)]
+
+
+def _payload(trainer: FederatedTrainer, ctx: SetupContext, d: int, private: bool, opt_in: bool) -> PayloadLayout:
+    segments = [Segment(UPDATE, d, "model")]
+    for p in trainer.plugins:
+        segments += p.payload_segments(ctx=ctx)
+    if trainer.on_nonfinite == "raise":
+        segments.append(Segment("nonfinite", 1, "control"))  # stops the run; never logged
+    elif not private or opt_in:
+        segments.append(Segment("skipped", 1, "data"))
+    if trainer.weighting == "samples":
+        segments.append(Segment("weight", 1, "data"))
+    return PayloadLayout(segments)
+
+
+def _check_private_run(trainer: FederatedTrainer, ctx: SetupContext, layout: PayloadLayout, opt_in: bool) -> None:
+    """What a DP run refuses: data-dependent weights, per-client evaluation and payload segments no
+    mechanism covers (unless un-noised statistics are released knowingly)."""
+    require(trainer.weighting == "uniform", "trainer.weighting", trainer.weighting,
+            "weighting clients by their data size is a data-dependent, un-noised release and changes "
+            "the sensitivity", "use weighting='uniform' with DP plugins")
+    require(not trainer.eval_per_client or opt_in, "trainer.eval_per_client", True,
+            "per-client evaluation logs un-noised statistics of every client's data in a DP run",
+            "set eval_per_client=False, or log_client_metrics=True to release them knowingly")
+    covered: dict[str, list[str]] = {}
+    for m in ctx.mechanisms:
+        for seg in m.covers:
+            covered.setdefault(seg, []).append(m.source)
+    record_level = any(m.granularity == "record" for m in ctx.mechanisms)
+    checked = PayloadLayout([s for s in layout.segments if s.source != "control" and not (opt_in and s.source == "data")])
+    check_coverage(checked, covered, record_level)
+
+
+def _notes(trainer: FederatedTrainer, data: Any, layout: PayloadLayout, opt_in: bool) -> list[str]:
+    notes = []
+    if trainer.secure:
+        notes.append("secure mode: noise and sampling come from a CSPRNG keyed by a secret that is neither logged "
+                     "nor checkpointed (floating-point mitigation: sum of four Gaussians)")
+    else:
+        notes.append(f"simulation: cohorts, batches and noise are keyed by seed={trainer.seed}, which is in the "
+                     "config and the logs; the guarantee holds only towards someone who does not know the seed "
+                     "(trainer.secure=true for data that must be protected)")
+    if data.test_set_from_clients:
+        notes.append(f"the evaluation set of {type(data).__name__} is drawn from the clients' own data: the logged "
+                     "evaluation metrics are releases about those clients that no mechanism accounts for")
+    unaccounted = [s.name for s in layout.segments if s.source == "data" and opt_in]
+    if unaccounted:
+        notes.append("payload statistics sent without noise (log_client_metrics=True), not accounted: "
+                     + ", ".join(unaccounted))
+    return notes
+
+
+def build_run(trainer: FederatedTrainer, module: Any, data: Any) -> RunSetup:
+    """Set up one ``fit`` (see the module docstring)."""
+    if trainer.algorithm is not None:
+        trainer.algorithm.validate(trainer)
+    comm = trainer.comm
+    _set_rank_zero(comm.rank)
+    threads = trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, _cpus() // comm.local_size)
+    torch.set_num_threads(threads)
+    trainer.threads = threads
+    if trainer.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if trainer._wants_cuda():
+        device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    ctx = prepare_privacy(trainer, data, module, device)
+    M = data.num_clients
+    require(comm.size <= M, "mpiexec -n", comm.size, f"more ranks than clients (data.num_clients={M})",
+            f"launch at most {M} ranks or use more clients")
+    data.to(device)
+    for p in trainer.plugins:  # e.g. DP-SGD may swap in a DP-compatible copy of the model
+        module.inner = p.configure_model(ctx=ctx, model=module.inner)
+    module.setup(device, comm.rank, comm.size, comm.local_rank)
+    # Every rank starts from rank 0's initial parameters, whatever its random state was.
+    comm.broadcast_(module.global_params, root=0)
+    module.load_global()
+
+    ledger = setup_plugins(trainer, ctx)
+    private = bool(ctx.mechanisms)
+    opt_in = bool(trainer.log_client_metrics) if trainer.log_client_metrics is not None else not private
+    layout = _payload(trainer, ctx, module.num_parameters, private, opt_in)
+    releases = ReleaseList(private, opt_in)
+    for p in trainer.plugins:
+        releases.declare(*p.released_metrics(ctx=ctx))
+    releases.declare(MetricRelease("round", "public", "trainer"))
+    if private:
+        _check_private_run(trainer, ctx, layout, opt_in)
+    notes = _notes(trainer, data, layout, opt_in) if private else []
+    template = {"local_steps": trainer.local_steps, "local_epochs": trainer.local_epochs,
+                "batch_size": trainer.batch_size, "client_lr_decay": trainer.client_lr_decay}
+    return RunSetup(device, ctx.sampler, ctx.random, ctx, layout, releases, ledger, template, trainer.weighting, notes)

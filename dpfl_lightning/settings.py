@@ -1,0 +1,50 @@
+"""Input checks of :class:`~dpfl_lightning.FederatedTrainer`: one clear error per bad setting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpfl_lightning.errors import require
+
+WEIGHTINGS = ("uniform", "samples")
+NONFINITE_POLICIES = ("raise", "skip")
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+
+
+def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:
+    """Validate the trainer's arguments; return them with the defaults that depend on others filled
+    in (``local_epochs`` when neither it nor ``local_steps`` is set, ``sampling``)."""
+    require(isinstance(s["rounds"], int) and s["rounds"] >= 1, "trainer.rounds", s["rounds"], "must be an integer >= 1",
+            "set rounds >= 1")
+    require(s["local_epochs"] is None or s["local_steps"] is None, "trainer.local_steps", s["local_steps"],
+            "local_epochs and local_steps are both set", "set only one of them")
+    if s["local_epochs"] is None and s["local_steps"] is None:
+        s["local_epochs"] = 1
+    for name in ("local_epochs", "local_steps"):
+        if s[name] is not None:
+            require(s[name] >= 1, f"trainer.{name}", s[name], "must be >= 1", f"set {name} >= 1")
+    require(s["batch_size"] is None or s["batch_size"] >= 1, "trainer.batch_size", s["batch_size"], "must be >= 1 or None",
+            "set a positive batch size (None: full batch)")
+    require(s["clients_per_round"] is None or s["clients_per_round"] >= 1, "trainer.clients_per_round",
+            s["clients_per_round"], "must be >= 1", "set clients_per_round >= 1 (or leave it unset for full participation)")
+    require(0 < s["client_lr_decay"] <= 1, "trainer.client_lr_decay", s["client_lr_decay"], "must be in (0, 1]",
+            "set e.g. 0.99")
+    require(s["weighting"] in WEIGHTINGS, "trainer.weighting", s["weighting"], "unknown weighting",
+            "use 'uniform' or 'samples'")
+    require(s["eval_every"] >= 1, "trainer.eval_every", s["eval_every"], "must be >= 1", "set eval_every >= 1")
+    require(s["on_nonfinite"] in NONFINITE_POLICIES, "trainer.on_nonfinite", s["on_nonfinite"], "unknown policy",
+            "use 'raise' or 'skip'")
+    require(s["accelerator"] in ACCELERATORS, "trainer.accelerator", s["accelerator"], "unknown accelerator",
+            "use auto, cpu or cuda")
+    require(s["num_threads"] is None or s["num_threads"] >= 1, "trainer.num_threads", s["num_threads"], "must be >= 1",
+            "set num_threads >= 1 or leave it unset")
+    require(s["checkpoint_every"] is None or s["checkpoint_every"] >= 1, "trainer.checkpoint_every",
+            s["checkpoint_every"], "must be >= 1", "set checkpoint_every >= 1 or leave it unset")
+    if s["sampling"] is None:
+        if s["clients_per_round"] is None and s["sampling_rate"] is None:
+            s["sampling"] = "full"
+        elif s["sampling_rate"] is not None and s["clients_per_round"] is None:
+            s["sampling"] = "poisson"
+        else:
+            s["sampling"] = "uniform"
+    return s

@@ -1,0 +1,65 @@
+"""Randomness that cannot repeat: 128-bit keys that the generators really use.
+
+torch's CPU ``manual_seed`` keeps 32 bits of a seed, so keyed streams used to collide after ~2^16
+keys (the birthday bound); these tests fail on a generator seeded that way."""
+
+import torch
+
+from dpfl_lightning import rng
+from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
+
+
+def test_1e5_keys_give_1e5_distinct_streams():
+    src = rng.RandomSource(7)
+    seen = set()
+    for r in range(1000):
+        for c in range(100):
+            seen.add(src.stream(r, c, rng.CLIENT_NOISE).normal((16,), 1.0).numpy().tobytes())
+    assert len(seen) == 100_000
+
+
+def test_keys_differing_only_in_high_bits_give_different_streams():
+    base = int.from_bytes(bytes(range(16)), "little")
+    for bit in (32, 40, 63, 64, 100, 127):
+        a = rng.torch_generator((base).to_bytes(16, "little"))
+        b = rng.torch_generator((base ^ (1 << bit)).to_bytes(16, "little"))
+        assert not torch.equal(torch.randn(16, generator=a), torch.randn(16, generator=b)), bit
+    # and seeds that differ above bit 31 (torch's manual_seed would merge them)
+    s1, s2 = rng.RandomSource(5), rng.RandomSource(5 + 2**32)
+    assert not torch.equal(s1.stream(0, 0, rng.CLIENT_NOISE).normal((16,), 1.0),
+                           s2.stream(0, 0, rng.CLIENT_NOISE).normal((16,), 1.0))
+
+
+def test_streams_are_reproducible_and_purposes_differ():
+    src = rng.RandomSource(3)
+    a = src.stream(2, 5, rng.CLIENT_NOISE).normal((8,), 1.0)
+    assert torch.equal(a, rng.RandomSource(3).stream(2, 5, rng.CLIENT_NOISE).normal((8,), 1.0))
+    assert not torch.equal(a, src.stream(2, 5, rng.CENTRAL_NOISE).normal((8,), 1.0))
+    assert not torch.equal(a, src.stream(2, 6, rng.CLIENT_NOISE).normal((8,), 1.0))
+
+
+def test_the_reported_collision_has_no_repeated_noise_vector(log_dir):
+    # seed 31385, 40 clients, full participation, local noise: client 8 in round 0 and client 23 in
+    # round 3 used to receive the same noise vector
+    after = Recorder(order=300)
+    trainer = quiet_trainer(log_dir, rounds=4, seed=31385,
+                            plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement="local"), after])
+    trainer.fit(TinyClassifier(lr=0.0), tiny_data(num_clients=40))  # zero updates: what is sent is the noise
+    sent = torch.stack(after.updates)
+    assert sent.shape[0] == 160
+    assert torch.unique(sent, dim=0).shape[0] == 160
+
+
+def test_secure_streams_are_unit_normal_and_uniform():
+    # 4e5 draws: the sample sd has relative standard error 1/sqrt(8e5) ~ 0.11%; allow 0.6%
+    src = rng.RandomSource(0, rng.new_secret())
+    x = src.stream(0, 0, rng.CLIENT_NOISE).normal((400_000,), 2.0, dtype=torch.float64)
+    assert abs(x.std().item() / 2.0 - 1) < 0.006 and abs(x.mean().item()) < 5 * 2.0 / 632
+    kurt = ((x / x.std()) ** 4).mean().item()  # a Gaussian's is 3 (s.e. ~ sqrt(24/n) = 0.008)
+    assert abs(kurt - 3) < 0.05
+    u = src.stream(0, 0, rng.SAMPLING).uniform(400_000)
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 5 * 0.2887 / 632
+    # distinct keys, distinct streams; the same key, the same stream within a run (every rank agrees)
+    assert not torch.equal(src.stream(0, 1, rng.CLIENT_NOISE).uniform(8), src.stream(0, 2, rng.CLIENT_NOISE).uniform(8))
+    assert torch.equal(src.stream(4, 1, rng.CLIENT_NOISE).uniform(8), src.stream(4, 1, rng.CLIENT_NOISE).uniform(8))

@@ -31,7 +31,7 @@ from dpfl_lightning import checkpoint as ckpt
 from dpfl_lightning.aggregation import PayloadAggregator
 from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, make_communicator
-from dpfl_lightning.contexts import ClientContext, ServerContext, SetupContext
+from dpfl_lightning.contexts import ClientContext, ServerContext
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
 from dpfl_lightning.executor import EXECUTORS, Executor, RoundWork

@@ -161,42 +161,6 @@ def test_dpsgd_refuses_parameters_without_per_record_gradients(log_dir):
         trainer.fit(Temperature(), tiny_data())
 
 
-class Frozen(TinyClassifier):
-    def __init__(self):
-        super().__init__()
-        for p in self.net[0].parameters():
-            p.requires_grad_(False)
-
-
-class ClipsGradients(TinyClassifier):
-    def on_before_optimizer_step(self, optimizer):
-        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
-
-
-@pytest.mark.parametrize("model,match", [(Frozen, "frozen"), (ClipsGradients, "on_before_optimizer_step")])
-def test_vmap_refuses_what_it_would_not_run(log_dir, model, match):
-    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap")
-    with pytest.raises(ConfigError, match=match):
-        trainer.fit(model(), tiny_data())
-
-
-class LogsADict(TinyClassifier):
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log_dict({"ld_loss": loss})
-        return loss
-
-
-def test_vmap_log_dict_matches_sequential(log_dir):
-    out = {}
-    for ex in ("sequential", "vmap"):
-        t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex)
-        t.fit(LogsADict(), tiny_data())
-        out[ex] = t.history[-1]["ld_loss"]
-    assert out["vmap"] == pytest.approx(out["sequential"], rel=1e-5)
-
-
 class WithRunningStats(TinyClassifier):
     def __init__(self):
         super().__init__()

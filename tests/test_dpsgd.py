@@ -178,12 +178,6 @@ def test_empty_poisson_batches_are_noise_only_steps(log_dir):
     assert math.isfinite(trainer.history[-1]["my_train_loss"])  # empty batches' NaN losses carry no weight
 
 
-def test_dpsgd_refuses_the_vmap_executor(log_dir):
-    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap", plugins=[DPSGD(noise_multiplier=1.0)])
-    with pytest.raises(ConfigError, match="trainer.executor"):
-        trainer.fit(TinyClassifier(), tiny_data())
-
-
 def test_pfl_preset_checks_e_times_r(log_dir):
     trainer = quiet_trainer(log_dir, rounds=3, local_epochs=2, algorithm=PFL(noise_multiplier=1.0, total_epochs=4))
     with pytest.raises(ConfigError, match="total_epochs"):

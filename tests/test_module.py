@@ -1,7 +1,6 @@
 """The user's LightningModule, unchanged: Lightning's hook order, self.log, manual optimization."""
 
 import csv
-import glob
 import os
 
 import lightning as L
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpfl_lightning import ConfigError, FederatedLightningModule, FederatedTrainer
+from dpfl_lightning import ConfigError, FederatedLightningModule
 from dpfl_lightning.models import MLPClassifier
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

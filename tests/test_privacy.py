@@ -196,3 +196,47 @@ def test_target_epsilon_calibrates_the_noise(log_dir):
     trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
     assert noise.noise_multiplier > 0
     assert 3.0 * 0.99 <= trainer.history[-1]["epsilon"] <= 3.0
+
+
+def test_zero_noise_is_refused_unless_infinite_epsilon_is_allowed(log_dir):
+    from dpfl_lightning.algorithms import PFL, DPFedAvg
+    from dpfl_lightning.plugins import DPSGD
+
+    for make in (lambda: GaussianNoise(noise_multiplier=0.0), lambda: GaussianNoise(std=0.0),
+                 lambda: DPSGD(noise_multiplier=0.0), lambda: DPFedAvg(noise_multiplier=0.0).plugins(),
+                 lambda: PFL(noise_multiplier=0.0).plugins()):
+        with pytest.raises(ConfigError, match="allow_infinite_epsilon"):
+            make()
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=2,
+                      plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=0.0, allow_infinite_epsilon=True)])
+    t.fit(TinyClassifier(), tiny_data())
+    assert t.history[-1]["epsilon"] == math.inf  # and the ledger says so
+
+
+def test_fixed_size_dpsgd_uses_one_relation_for_every_client(log_dir):
+    import torch
+
+    from dpfl_lightning import FederatedDataModule
+    from dpfl_lightning.plugins import DPSGD
+
+    x = torch.randn(60, 10)
+    data = FederatedDataModule.from_tensors(x, torch.arange(60) % 10, x[:10], torch.arange(10) % 10,
+                                            client_indices=[range(0, 3), range(3, 8), range(8, 60)])
+    ledger = PrivacyLedger(delta=1e-4)
+    trainer = quiet_trainer(log_dir, rounds=2, batch_size=4, plugins=[DPSGD(noise_multiplier=1.0, sampling="fixed"), ledger])
+    trainer.fit(TinyClassifier(), data)
+    profiles = {p.record.records: p.release for p in ledger.guarantees[0].profiles}
+    assert sorted(profiles) == [3, 5, 52]  # n <= B for the first client, n > B for the others
+    assert {r.relation for r in profiles.values()} == {"replace_one"}
+    assert profiles[3].noise_multiplier == 0.5  # the whole batch replaced-one: distance 2C
+    assert profiles[52].sampling == "without_replacement" and profiles[52].sample_size == 4
+
+
+def test_calibrate_refuses_delta_at_or_above_one_over_n(capsys):
+    from dpfl_lightning import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["privacy", "calibrate", "--epsilon", "2", "--delta", "0.5", "--rounds", "10", "--clients", "50"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--delta" in err and "1/50" in err

@@ -148,11 +148,12 @@ class GaussianNoise(FederatedCallback):
 
     def before_round(self, *, plan, server) -> None:
         self._cohort_size = max(len(plan.cohort), 1)
+        self._round_sigma = self.sigma  # an adaptive bound may change during the round
 
     def on_client_end(self, *, client) -> None:
         if self.placement == "central":
             return
-        std = self.sigma if self.placement == "local" else self.sigma / math.sqrt(self._cohort_size)
+        std = self._round_sigma if self.placement == "local" else self._round_sigma / math.sqrt(self._cohort_size)
         stream = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE)
         for name in self.segments:
             stream.add_normal_(client.payload[name], std)
@@ -162,10 +163,10 @@ class GaussianNoise(FederatedCallback):
             return
         stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE)
         for name in self.segments:
-            stream.add_normal_(server.aggregate[name], self.sigma)
+            stream.add_normal_(server.aggregate[name], self._round_sigma)
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
-        metrics["noise_std"] = self.sigma
+        metrics["noise_std"] = self._round_sigma
 
     def state_dict(self) -> dict:
         # A calibrated run resumed later must keep the noise it ran with (recalibrating for other

@@ -109,6 +109,20 @@ class Release:
         return replace(self, events=(dp_accounting.GaussianDpEvent(z),))
 
     @property
+    def pure_epsilon(self) -> float | None:
+        """The epsilon of one unsampled use when every event is pure DP (randomized response,
+        Laplace), else ``None``: ``steps`` uses are then also ``steps * pure_epsilon``-DP."""
+        total = 0.0
+        for e in self.events:
+            if isinstance(e, dp_accounting.RandomizedResponseDpEvent) and e.num_buckets == 2 and e.noise_parameter > 0:
+                total += math.log((2 - e.noise_parameter) / e.noise_parameter)
+            elif isinstance(e, dp_accounting.LaplaceDpEvent) and e.noise_multiplier > 0:
+                total += 1.0 / e.noise_multiplier
+            else:
+                return None
+        return total
+
+    @property
     def effective_rate(self) -> float:
         if self.sampling == "poisson":
             return self.rate
@@ -232,6 +246,17 @@ def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:
         return Epsilon(math.inf, accountant, "no noise")
     note = _unamplified(release)[1]
+    pure = release.pure_epsilon
+    if pure is not None:  # basic composition of pure DP is valid too, and tighter for few steps
+        res = _epsilon(release, steps, delta, accountant, pld_discretization, note)
+        if steps * pure < res.epsilon:
+            return Epsilon(steps * pure, "basic composition", "pure DP, composed linearly")
+        return res
+    return _epsilon(release, steps, delta, accountant, pld_discretization, note)
+
+
+def _epsilon(release: Release, steps: int, delta: float, accountant: str, pld_discretization: float,
+             note: str) -> Epsilon:
     if accountant == "rdp":
         return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", note)
     if release.sampling == "without_replacement":

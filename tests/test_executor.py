@@ -1,0 +1,75 @@
+"""Executors: the vectorised executor matches the sequential one, honours the round plan (client
+learning-rate decay), and refuses at set-up what it cannot run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpfl_lightning import ConfigError
+from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+
+class Frozen(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        for p in self.net[0].parameters():
+            p.requires_grad_(False)
+
+
+class ClipsGradients(TinyClassifier):
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
+
+
+@pytest.mark.parametrize("model,match", [(Frozen, "frozen"), (ClipsGradients, "on_before_optimizer_step")])
+def test_vmap_refuses_what_it_would_not_run(log_dir, model, match):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap")
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(model(), tiny_data())
+
+
+class LogsADict(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log_dict({"ld_loss": loss})
+        return loss
+
+
+def test_vmap_log_dict_matches_sequential(log_dir):
+    out = {}
+    for ex in ("sequential", "vmap"):
+        t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex)
+        t.fit(LogsADict(), tiny_data())
+        out[ex] = t.history[-1]["ld_loss"]
+    assert out["vmap"] == pytest.approx(out["sequential"], rel=1e-5)
+
+
+def test_dpsgd_refuses_the_vmap_executor(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap", plugins=[DPSGD(noise_multiplier=1.0)])
+    with pytest.raises(ConfigError, match="trainer.executor"):
+        trainer.fit(TinyClassifier(), tiny_data())
+
+
+def test_vmap_follows_the_client_lr_decay_like_sequential(log_dir):
+    out = {}
+    for ex in ("sequential", "vmap"):
+        for decay in (1.0, 0.3):
+            t = quiet_trainer(log_dir, rounds=3, clients_per_round=4, executor=ex, client_lr_decay=decay,
+                              plugins=[UpdateClipping(5.0), GaussianNoise(noise_multiplier=0.01)])
+            out[ex, decay] = t.fit(TinyClassifier(lr=0.3), tiny_data()).global_params.clone()
+    assert not torch.allclose(out["vmap", 1.0], out["vmap", 0.3], atol=1e-4)  # the decay matters
+    assert torch.allclose(out["vmap", 0.3], out["sequential", 0.3], atol=1e-5)
+    assert torch.allclose(out["vmap", 1.0], out["sequential", 1.0], atol=1e-5)
+
+
+def test_vmap_matches_sequential_with_dp_plugins_and_a_coin(log_dir):
+    from plugin_sketches import Coin
+
+    out = {}
+    for ex in ("sequential", "vmap"):
+        t = quiet_trainer(log_dir, rounds=3, clients_per_round=5, executor=ex,
+                          plugins=[Coin(0.5), UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.5, placement="local")])
+        out[ex] = t.fit(TinyClassifier(), tiny_data()).global_params
+    assert torch.allclose(out["vmap"], out["sequential"], atol=1e-5)

@@ -1,0 +1,114 @@
+"""The plugin API against the five consumers it was designed for (tests/plugin_sketches.py): each
+runs end to end, its extra payload travels in the one exact all-reduce, and its releases are
+accounted; an undeclared data segment in a DP run is refused."""
+
+import math
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting import rdp as dp_rdp
+from dp_accounting.privacy_accountant import NeighboringRelation
+
+from dpfl_lightning import ConfigError
+from dpfl_lightning.payload import Segment
+from dpfl_lightning.plugins import FederatedCallback, GaussianNoise, PrivacyLedger, UpdateClipping
+from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
+from plugin_sketches import AdaptiveClip, Coin, NormSquare, PrivUnitSketch, SecondVector, consumers_run
+
+
+def _rdp(event, count, delta, relation=NeighboringRelation.ADD_OR_REMOVE_ONE):
+    acc = dp_rdp.RdpAccountant(neighboring_relation=relation)
+    acc.compose(dp_accounting.SelfComposedDpEvent(event, count))
+    return acc.get_epsilon(delta)
+
+
+def test_second_vector_travels_with_the_update_and_is_noised(log_dir):
+    after = Recorder(order=300)
+    sv = SecondVector(std=1e-9)
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4,
+                            plugins=[sv, UpdateClipping(1.0, segments=["update", "dc"]), GaussianNoise(std=1e-9), after])
+    trainer.fit(TinyClassifier(), tiny_data())
+    # dc = update / 2 per client, so the aggregated dc is half the aggregated update (the noise is ~0)
+    assert torch.allclose(sv.sums[0], after.aggregates[0] / 2, atol=1e-6)
+    assert torch.count_nonzero(sv.sums[0]) > 0
+    # without noise for dc, the run is refused: dc would leave every client un-noised
+    class Silent(SecondVector):
+        def privacy_mechanisms(self, *, ctx):
+            return []
+
+    bad = quiet_trainer(log_dir, rounds=1, clients_per_round=2,
+                        plugins=[Silent(), UpdateClipping(1.0, segments=["update", "dc"]), GaussianNoise(std=1e-9)])
+    with pytest.raises(ConfigError, match="dc"):
+        bad.fit(TinyClassifier(), tiny_data())
+
+
+def test_coin_changes_the_local_steps_through_the_plan(log_dir):
+    class Steps(FederatedCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_client_end(self, *, client):
+            self.seen.append((client.round_idx, client.steps))
+
+    coin, steps = Coin(0.4), Steps()
+    trainer = quiet_trainer(log_dir, rounds=6, clients_per_round=3, plugins=[coin, steps])
+    trainer.fit(TinyClassifier(), tiny_data())
+    assert len(set(coin.steps)) > 1  # the coin varies
+    assert all(s == coin.steps[r] for r, s in steps.seen)  # every client of a round took the drawn steps
+
+
+def test_norm_square_release_is_noised_and_composed_with_the_update_noise(log_dir):
+    ns, ledger = NormSquare(std=2.0), PrivacyLedger(delta=1e-4)
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=4, sampling="poisson",
+                            plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.5), ns, ledger])
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+    # two Gaussians on the same Poisson sample: one Gaussian of multiplier (1.5^-2 + (2/1)^-2)^-1/2
+    z = (1.5**-2 + 2.0**-2) ** -0.5
+    event = dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(z))
+    assert trainer.history[-1]["epsilon"] == _rdp(event, 3, 1e-4)
+    alone = _rdp(dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.5)), 3, 1e-4)
+    assert trainer.history[-1]["epsilon"] > alone
+    assert "noisy_norm_sq" in trainer.history[-1]
+
+
+def test_pure_epsilon_local_randomizer_is_accounted_as_randomized_response(log_dir):
+    ledger = PrivacyLedger(delta=1e-4)
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=4,
+                            plugins=[UpdateClipping(1.0), PrivUnitSketch(eps=1.0, C=1.0), ledger])
+    trainer.fit(TinyClassifier(), tiny_data())
+    busiest = int(ledger.counts["client_local"].max())
+    rr = dp_accounting.RandomizedResponseDpEvent(2 / (1 + math.exp(3.0)), 2)
+    assert trainer.history[-1]["epsilon"] == min(_rdp(rr, busiest, 1e-4, NeighboringRelation.REPLACE_ONE), 3.0 * busiest)
+    assert 0 < trainer.history[-1]["epsilon"] <= 3.0 * busiest  # never worse than basic composition
+    tight = ledger._eps(0, 0, 200)  # many compositions: RDP of randomized response beats k * eps
+    assert tight == _rdp(rr, 200, 1e-4, NeighboringRelation.REPLACE_ONE) < 3.0 * 200
+
+
+def test_noisy_count_moves_the_clip_norm_and_the_noise_follows(log_dir):
+    clip = UpdateClipping(10.0)
+    adaptive = AdaptiveClip(clip, std=0.5, gamma=0.5, eta=0.5)
+    noise = GaussianNoise(noise_multiplier=1.0)
+    trainer = quiet_trainer(log_dir, rounds=6, clients_per_round=8, plugins=[adaptive, clip, noise])
+    trainer.fit(TinyClassifier(lr=0.05), tiny_data(num_clients=20))
+    assert adaptive.norms[-1] < 10.0  # every update is far below 10: the norm shrinks towards the median
+    assert [h["noise_std"] for h in trainer.history] == pytest.approx([10.0] + adaptive.norms[:-1])  # sigma = z C_t
+
+
+def test_all_five_together(log_dir):
+    trainer, module, _ = consumers_run(log_dir, "local")
+    assert torch.isfinite(module.global_params).all() and math.isfinite(trainer.history[-1]["epsilon"])
+
+
+class Undeclared(FederatedCallback):
+    def payload_segments(self, *, ctx):
+        return [Segment("loss_sum", 1, "data", "Undeclared")]
+
+
+def test_an_undeclared_data_segment_is_refused_in_a_dp_run(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2,
+                            plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0), Undeclared()])
+    with pytest.raises(ConfigError, match="loss_sum"):
+        trainer.fit(TinyClassifier(), tiny_data())
+    free = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[Undeclared()])  # no DP: fine
+    free.fit(TinyClassifier(), tiny_data())

@@ -98,6 +98,8 @@ class ClientContext:
     steps: int = 0
     lr: float = 0.0
     replay: bool = False
+    checked_finite: set[str] = field(default_factory=set)  # segments a bounding plugin found finite
+
 
     @property
     def update(self) -> torch.Tensor:

@@ -56,13 +56,18 @@ _MT_WORDS = 624
 _STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) since torch 1.x
 
 
+_FIXED = struct.Struct("<4q")
+
+
 def _encode(*parts: int) -> bytes:
-    out = bytearray()
-    for p in parts:
-        p = int(p)
-        raw = p.to_bytes((p.bit_length() + 8) // 8 or 1, "little", signed=True)
-        out += struct.pack("<B", len(raw)) + raw
-    return bytes(out)
+    try:
+        return _FIXED.pack(*parts)  # the common case: every part fits in 64 bits
+    except struct.error:
+        out = bytearray(b"\xff" * 33)  # longer than any fixed-width encoding: the two never coincide
+        for p in parts:
+            raw = int(p).to_bytes((int(p).bit_length() + 8) // 8 or 1, "little", signed=True)
+            out += struct.pack("<B", len(raw)) + raw
+        return bytes(out)
 
 
 def derive_key(seed: int, round_idx: int, client: int, purpose: int, secret: bytes | None = None) -> bytes:
@@ -74,15 +79,18 @@ def derive_key(seed: int, round_idx: int, client: int, purpose: int, secret: byt
     return h.digest()
 
 
+_MT_TEMPLATE = np.zeros(_STATE_BYTES, dtype=np.uint8)
+_MT_TEMPLATE[8:16].view("<i4")[:] = (1, 1)  # left = 1 (twist before the first draw), seeded = 1
+
+
 def _mt_state(key: bytes) -> torch.Tensor:
-    """torch's CPU generator state (``CPUGeneratorImplState``) with the Mersenne Twister's 624
-    words expanded from ``key``; the next draw starts with a fresh twist of that state."""
-    words = np.frombuffer(hashlib.shake_256(b"dpfl-mt" + key).digest(4 * _MT_WORDS), dtype="<u4")
-    buf = np.zeros(_STATE_BYTES, dtype=np.uint8)
-    head = buf[:24].view("<u8")  # the_initial_seed (u64), left/seeded (i32, i32), next (u64)
-    head[0] = int.from_bytes(key[:8], "little")
-    buf[8:16].view("<i4")[:] = (1, 1)  # left = 1 (twist before the first draw), seeded = 1
-    buf[24 : 24 + 8 * _MT_WORDS].view("<u8")[:] = words
+    """torch's CPU generator state (``CPUGeneratorImplState``: initial seed u64, left and seeded
+    i32, next u64, 624 state words stored as u64, then the normal caches, all zero here) with the
+    Mersenne Twister's 624 words expanded from ``key``."""
+    buf = _MT_TEMPLATE.copy()
+    buf[24 : 24 + 8 * _MT_WORDS].view("<u4")[0::2] = np.frombuffer(
+        hashlib.shake_256(b"dpfl-mt" + key).digest(4 * _MT_WORDS), dtype="<u4")
+    buf[:8] = np.frombuffer(key[:8], dtype=np.uint8)
     return torch.from_numpy(buf)
 
 
@@ -170,11 +178,12 @@ class TorchStream(Stream):
         return torch.randperm(n, generator=self.cpu_generator)
 
 
-_CHUNK = 1 << 20  # bytes of SHAKE-256 output per block
+_FIRST_BLOCK, _MAX_BLOCK = 1 << 12, 1 << 20  # bytes of SHAKE-256 output per block (doubling)
 
 
 class SecureStream(Stream):
-    """A CSPRNG stream: SHAKE-256 of (key, block counter), read block after block."""
+    """A CSPRNG stream: SHAKE-256 of (key, block counter), read block after block; blocks double
+    from 4 KiB to 1 MiB, so a short stream costs little and a long one runs at SHAKE's speed."""
 
     def __init__(self, key: bytes, torch_key: bytes | None = None) -> None:
         self._key = key
@@ -185,22 +194,24 @@ class SecureStream(Stream):
         # from the secret as well: unpredictable without it, though not a CSPRNG.
         self.generator = torch_generator(torch_key or key, "cpu")
 
-    def _bytes(self, n: int) -> bytes:
-        parts = []
-        while n > 0:
-            if self._pos >= len(self._buf):
-                self._buf = hashlib.shake_256(self._key + self._block.to_bytes(8, "little")).digest(_CHUNK)
-                self._block += 1
-                self._pos = 0
-            take = min(n, len(self._buf) - self._pos)
-            parts.append(self._buf[self._pos : self._pos + take])
-            self._pos += take
-            n -= take
-        return b"".join(parts)
+    def _refill(self) -> None:
+        size = min(_FIRST_BLOCK << self._block, _MAX_BLOCK)
+        self._buf = hashlib.shake_256(self._key + self._block.to_bytes(8, "little")).digest(size)
+        self._block += 1
+        self._pos = 0
 
     def uniform(self, n: int) -> torch.Tensor:
-        raw = np.frombuffer(self._bytes(8 * n), dtype="<u8") >> np.uint64(11)
-        return torch.from_numpy(raw.astype(np.float64) * 2.0**-53)
+        out = np.empty(n, dtype=np.float64)
+        filled = 0
+        while filled < n:
+            if self._pos >= len(self._buf):
+                self._refill()
+            take = min(n - filled, (len(self._buf) - self._pos) // 8)
+            words = np.frombuffer(self._buf, dtype="<u8", count=take, offset=self._pos)
+            np.multiply(words >> np.uint64(11), 2.0**-53, out=out[filled : filled + take])  # 53-bit uniforms
+            self._pos += 8 * take
+            filled += take
+        return torch.from_numpy(out)
 
     def _standard_normals(self, n: int) -> torch.Tensor:
         """``n`` N(0, 1) values in float64 (Box-Muller on 53-bit uniforms)."""

@@ -363,20 +363,23 @@ class FederatedTrainer:
         """Run the plugins on one trained client's payload; ``False`` if its update was not finite."""
         run = self.run
         row = self.aggregator.row(k)
-        ctx.payload = run.layout.views(row)
+        ctx.payload = self.aggregator.views(k)
         ctx.steps, ctx.lr = client_run.steps, client_run.lr
         if self.normalize_update_by_lr:
             ctx.payload["update"].div_(client_run.lr)
         self.call_hook("on_client_end", client=ctx)
         # NaN/inf survive clipping, normalization and noise, so one check after the plugins catches
-        # a non-finite raw update as well as a non-finite processed one.
-        ok = bool(torch.isfinite(row).all())
+        # a non-finite raw update as well as a non-finite processed one; a segment whose norm a
+        # bounding plugin found finite is not checked again (noise adds finite values).
+        ok = all(bool(torch.isfinite(ctx.payload[name]).all()) for name in self.aggregator.checked
+                 if name not in ctx.checked_finite)
         if not ok:
             # The client's update counts as zero, processed like any update: its local noise or noise
             # share is drawn again from the same key, so the noise the accountant assumes is all there.
             # The raw update never reaches the global model.
             row.zero_()
             ctx.replay = True
+            ctx.checked_finite.clear()
             self.call_hook("on_client_end", client=ctx)
             if not bool(torch.isfinite(row).all()):
                 raise NonFiniteUpdateError(f"round {ctx.round_idx + 1}: the plugins turned client {ctx.client}'s zero "

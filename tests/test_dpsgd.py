@@ -108,7 +108,7 @@ def test_ledger_epsilon_per_client_equals_dp_accounting(log_dir):
     for r in range(4):
         for c in trainer.sampler.sample(trainer.run.random, r):
             participations[c] += 1
-    assert 0 < max(participations) < 4
+    assert len(set(participations)) > 1  # clients took part a different number of times
     for c in range(6):
         acc = dp_rdp.RdpAccountant()
         if participations[c]:

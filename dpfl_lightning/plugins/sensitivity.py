@@ -101,6 +101,8 @@ class SensitivityBound(FederatedCallback):
 
     def on_client_end(self, *, client) -> None:
         norm = scale_to_norm_([client.payload[s] for s in self.segments], self.max_norm, self.only_if_above)
+        if math.isfinite(norm):  # finite values, scaled by a finite factor: the trainer need not check
+            client.checked_finite.update(self.segments)
         if self.log_norms:
             client.payload["raw_norm"].fill_(norm)
             client.payload["bounded"].fill_(float(norm > self.max_norm or not self.only_if_above))

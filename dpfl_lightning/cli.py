@@ -154,7 +154,8 @@ def bundled_models() -> list[str]:
     from dpfl_lightning import models
 
     return [name for name, obj in vars(models).items()
-            if inspect.isclass(obj) and issubclass(obj, lightning.LightningModule) and obj.__module__ == models.__name__]
+            if inspect.isclass(obj) and issubclass(obj, lightning.LightningModule)
+            and obj.__module__ == models.__name__]
 
 
 def fit_parser() -> ArgumentParser:
@@ -227,8 +228,9 @@ def _sampling_arguments(p: ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------- sweep, report
 def sweep_parser() -> ArgumentParser:
     p = DpflArgumentParser(description="Run every configuration of a W&B-format sweep file (method grid or "
-                                       "random) as its own `dpfl fit` run, one after the other; a rerun skips "
-                                       "the runs that finished and retries the ones that failed.")
+                                       "random) as its own `dpfl fit` run (--jobs at a time), no W&B server "
+                                       "needed; a rerun skips the runs that finished and retries the ones that "
+                                       "failed. Then: dpfl report on the sweep's directory.")
     p.add_argument("sweep_file", type=str, help="the sweep YAML (W&B format: method, parameters, command, ...)")
     p.add_argument("--dir", type=str | None, default=None,
                    help="the sweep's directory: runs/, logs/, done/ (default: sweeps/<sweep name>)")
@@ -254,7 +256,8 @@ def report_parser() -> ArgumentParser:
 
 
 def build_parser() -> ArgumentParser:
-    parser = DpflArgumentParser(prog="dpfl", description="Differentially private federated learning on Lightning modules.")
+    parser = DpflArgumentParser(prog="dpfl",
+                                description="Differentially private federated learning on Lightning modules.")
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("fit", fit_parser(), help="train")
     privacy = DpflArgumentParser(description="Privacy accounting without training.")

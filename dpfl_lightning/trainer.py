@@ -36,7 +36,8 @@ from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
 from dpfl_lightning.executor import EXECUTORS, Executor, RoundWork
 from dpfl_lightning.logged_metrics import merge
-from dpfl_lightning.loggers import RoundProgress, make_csv_logger, print_summary
+from dpfl_lightning.loggers import (RoundProgress, log_privacy_settings, make_loggers, print_summary,
+                                    privacy_settings, summary_rows)
 from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
 from dpfl_lightning.payload import Aggregate
 from dpfl_lightning.plan import RoundPlan
@@ -227,7 +228,7 @@ class FederatedTrainer:
         if state is not None and run.ledger is not None:  # restored plugins (calibrated noise) are in force now
             collect_mechanisms(self.plugins, run.ctx)
             run.ledger.setup(ctx=run.ctx)
-        loggers = self._make_loggers()
+        loggers = self._make_loggers(start if state is not None else None)
         progress = RoundProgress(self.rounds, start, self.enable_progress_bar and self.is_global_zero)
         self.call_hook("on_fit_start", ctx=run.ctx)
         run.print_privacy_statement(self)
@@ -361,7 +362,6 @@ class FederatedTrainer:
 
     def _finish_client(self, k: int, ctx: ClientContext, client_run) -> bool:
         """Run the plugins on one trained client's payload; ``False`` if its update was not finite."""
-        run = self.run
         row = self.aggregator.row(k)
         ctx.payload = self.aggregator.views(k)
         ctx.steps, ctx.lr = client_run.steps, client_run.lr
@@ -429,13 +429,14 @@ class FederatedTrainer:
         return comm.broadcast_object(res, root=0) if comm.size > 1 else res
 
     # ------------------------------------------------------------------ logging
-    def _make_loggers(self) -> list[Any]:
+    def _make_loggers(self, resume_round: int | None = None) -> list[Any]:
         if not self.is_global_zero:
             return []
-        loggers = [make_csv_logger(self.log_dir, self.run_name), *self.extra_loggers]
         config = self.config if self.config is not None else self._python_config()
-        for lg in loggers:
-            lg.log_hyperparams(config)
+        loggers = make_loggers(self.log_dir, self.run_name, self.extra_loggers, resume_round=resume_round,
+                               config=config)
+        if self.private:
+            log_privacy_settings(loggers, privacy_settings(self.run.ctx.mechanisms, self.ledger, self.run.privacy_lines()))
         self.csv_log_dir = loggers[0].log_dir
         return loggers
 
@@ -453,10 +454,7 @@ class FederatedTrainer:
                          "init_args": simple(self.data)}}
 
     def _summary(self, seconds: float, start: int) -> dict[str, Any]:
-        rows: dict[str, Any] = {"rounds": len(self.history), "num_clients": self.data.num_clients, "ranks": self.world_size}
-        if self.run.releases.allows("unaccounted"):  # wall-clock time depends on the cohorts
-            rows["seconds/round"] = seconds / max(len(self.history) - start, 1)
-        rows.update({k: v for k, v in self.final_metrics.items() if k not in ("round", "round_time_s")})
+        rows = summary_rows(self.history, extra={"num_clients": self.data.num_clients, "ranks": self.world_size})
         if self.stop_reason:
             rows["stopped"] = self.stop_reason
         return rows

@@ -80,3 +80,11 @@ def test_auto_wandb_mode_without_key(monkeypatch, tmp_path):
     assert resolve_wandb_mode("auto") == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert resolve_wandb_mode("auto") == "disabled"
+
+
+@pytest.mark.parametrize("config", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_shipped_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", config, "--print_config"])
+    assert exit_info.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]

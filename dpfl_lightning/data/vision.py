@@ -147,6 +147,9 @@ class MNIST(FederatedDataModule):
         self.variant = variant
         self.normalize = normalize
 
+    def _source_setting(self) -> tuple[str, str]:
+        return "data.root", self.root
+
     def _split(self, images: str, labels: str) -> tuple[np.ndarray, np.ndarray]:
         xp, yp = self.files[images], self.files[labels]
         x = _parse_idx(_read(xp, self.root), xp, self.root, images=True)
@@ -203,6 +206,9 @@ class CIFAR10(FederatedDataModule):
                          eval_batch_size=eval_batch_size)
         self.root = root
         self.normalize = normalize
+
+    def _source_setting(self) -> tuple[str, str]:
+        return "data.root", self.root
 
     def _batch(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         path, root = self.files[name], self.root

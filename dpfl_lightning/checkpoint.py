@@ -63,6 +63,38 @@ def load(path: str) -> dict[str, Any]:
     return state
 
 
+_RUN_ONLY = ("trainer.rounds", "trainer.log_dir", "trainer.run_name", "trainer.checkpoint_every",
+             "trainer.checkpoint_dir", "trainer.enable_progress_bar", "trainer.enable_summary", "trainer.num_threads",
+             "trainer.loggers", "resume", "config")
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out or {prefix: obj}
+    return {prefix: obj}
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The settings that differ between the checkpoint's configuration and this run's, one line
+    each (``key: old -> new``), leaving out the ones that only say how long or where to run.
+    Changes that affect privacy are refused elsewhere (the ledger); these are reported."""
+    a, b = _flatten(saved), _flatten(now)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key.startswith(_RUN_ONLY) or a.get(key) == b.get(key):
+            continue
+        out.append(f"{key}: {a.get(key, '(unset)')!r} -> {b.get(key, '(unset)')!r}")
+    return out
+
+
 def plugin_states(plugins: list[Any]) -> dict[str, Any]:
     """Each stateful plugin's state under its ``state_key``."""
     out: dict[str, Any] = {}

@@ -507,8 +507,14 @@ class FederatedTrainer:
         require(state["round"] <= self.rounds, "trainer.rounds", self.rounds,
                 f"the checkpoint is already at round {state['round']}", f"set rounds >= {state['round']}")
         fresh = ckpt.restore_plugins(self.plugins, state["plugins"], state["round"])
-        if fresh and self.is_global_zero and self.enable_summary:
-            print(f"resume: plugins not in the checkpoint start from their initial state: {', '.join(fresh)}", flush=True)
+        self.resume_changes = ckpt.config_changes(state.get("config") or {},
+                                                  self.config if self.config is not None else self._python_config())
+        if self.is_global_zero and self.enable_summary:
+            if fresh:
+                print(f"resume: plugins not in the checkpoint start from their initial state: {', '.join(fresh)}",
+                      flush=True)
+            for line in self.resume_changes:
+                print(f"resume: changed since the checkpoint: {line}", flush=True)
         module.global_params.copy_(state["global_params"].to(module.global_params.device))
         module.load_global()
         self.client_states = {c: s for c, s in state["client_states"].items() if self.owner(c) == self.rank}

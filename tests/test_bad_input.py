@@ -91,6 +91,7 @@ def test_cli_non_finite_update(tmp_path):
     cfg = _write(tmp_path, "dpfl_lightning.data.NpzFile", f"{{path: {path}}}", dim=4)
     proc = _dpfl("fit", "--config", cfg)
     _assert_clear_error(proc, "client(s) [1]", tmp_path, code=1)
+    assert "round 1:" in proc.stderr  # the round as the logs count it (from 1)
 
 
 def _bad_client_data():

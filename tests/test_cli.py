@@ -88,3 +88,16 @@ def test_every_shipped_config_parses(config, capsys):
         cli.main(["fit", "--config", config, "--print_config"])
     assert exit_info.value.code == 0
     assert yaml.safe_load(capsys.readouterr().out)["trainer"]
+
+
+def test_resume_reports_changed_settings(tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    cli.main(["fit", "--config", QUICKSTART, *SMALL, "--trainer.rounds", "2", "--trainer.checkpoint_every", "1",
+              "--trainer.log_dir", a])
+    (first,) = glob.glob(os.path.join(a, "**", "round-000001.ckpt"), recursive=True)
+    capsys.readouterr()
+    cli.main(["fit", "--config", QUICKSTART, *SMALL, "--trainer.rounds", "2", "--trainer.log_dir", b,
+              "--model.init_args.lr", "0.05", "--trainer.algorithm.init_args.clip", "2.0", "--resume", first])
+    out = capsys.readouterr().out
+    assert "model.init_args.lr: 0.5 -> 0.05" in out and "clip: 1.0 -> 2.0" in out
+    assert "trainer.rounds" not in out and "log_dir" not in out

@@ -151,3 +151,19 @@ def test_noise_refuses_sample_weighting(log_dir):
 def test_bad_noise_settings(kwargs):
     with pytest.raises(ConfigError):
         GaussianNoise(**kwargs)
+
+
+def test_signal_to_noise_is_estimated_from_the_noised_sum():
+    from dpfl_lightning.payload import Aggregate
+
+    g = torch.Generator().manual_seed(0)
+    d, sigma = 200_000, 0.5
+    signal = torch.randn(d, generator=g, dtype=torch.float64)
+    signal *= 300.0 / signal.norm()  # ||s|| = 300, so the true SNR is 300 / (0.5 sqrt(2e5)) = 1.342
+    noised = signal + sigma * torch.randn(d, generator=g, dtype=torch.float64)
+    snr = GaussianNoise(noise_multiplier=1.0).signal_to_noise(Aggregate(0, {"update": noised}, 10, 10.0), sigma)
+    # ||noised||^2 - d sigma^2 has sd ~ sigma^2 sqrt(2d) + 2 sigma ||s|| = 474: 1% of 300^2 = 900 is > 1.8 sd
+    assert snr == pytest.approx(300.0 / (sigma * math.sqrt(d)), rel=0.01)
+    zero = GaussianNoise(noise_multiplier=1.0).signal_to_noise(
+        Aggregate(0, {"update": sigma * torch.randn(d, generator=g, dtype=torch.float64)}, 10, 10.0), sigma)
+    assert zero < 0.15  # pure noise: sqrt(|chi^2 - d| sigma^2) / (sigma sqrt d) ~ (2/d)^(1/4) = 0.056

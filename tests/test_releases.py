@@ -18,9 +18,9 @@ from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
-PUBLIC = {"round", "epsilon", "noise_std", "my_val_loss", "my_val_acc"}
-PER_PRESET = {"central": set(), "local": set(), "distributed": {"epsilon_client_distributed_models"},
-              "normfedavg": {"epsilon_client_distributed_models"}, "pfl": set()}
+PUBLIC = {"round", "epsilon", "noise_std", "clip_norm", "my_val_loss", "my_val_acc"}
+PER_PRESET = {"central": {"snr"}, "local": set(), "distributed": {"epsilon_client_distributed_models", "snr"},
+              "normfedavg": {"epsilon_client_distributed_models", "snr"}, "pfl": set()}
 SUMMARY = {"rounds", "num_clients", "ranks"}
 UNACCOUNTED = {"my_train_loss", "round_time_s", "skipped_clients"}
 

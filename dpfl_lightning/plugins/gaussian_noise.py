@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import torch
+
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE
@@ -144,7 +146,11 @@ class GaussianNoise(FederatedCallback):
         return [self._mechanism(self.sigma / self.sensitivity)]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
-        return [MetricRelease("noise_std", "public", "GaussianNoise", "the noise standard deviation in force")]
+        out = [MetricRelease("noise_std", "public", "GaussianNoise", "the noise standard deviation in force")]
+        if self.placement != "local":
+            out.append(MetricRelease("snr", "noised", "GaussianNoise", "signal-to-noise ratio of the aggregate, "
+                                     "estimated from the noised sum"))
+        return out
 
     def before_round(self, *, plan, server) -> None:
         self._cohort_size = max(len(plan.cohort), 1)
@@ -167,6 +173,15 @@ class GaussianNoise(FederatedCallback):
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         metrics["noise_std"] = self._round_sigma
+        if self.placement != "local" and server.aggregate is not None and self._round_sigma > 0:
+            metrics["snr"] = self.signal_to_noise(server.aggregate, self._round_sigma)
+
+    def signal_to_noise(self, aggregate, sigma: float) -> float:
+        """``||signal|| / (sigma sqrt(d))`` of the noised sum (paper 003 Fig. 3), estimated from the
+        noised sum alone (``E||s + noise||^2 = ||s||^2 + d sigma^2``): post-processing of the release."""
+        sq = sum(float(torch.linalg.vector_norm(aggregate[n], dtype=torch.float64)) ** 2 for n in self.segments)
+        d = sum(aggregate[n].numel() for n in self.segments)
+        return math.sqrt(max(sq - d * sigma * sigma, 0.0)) / (sigma * math.sqrt(d))
 
     def state_dict(self) -> dict:
         # A calibrated run resumed later must keep the noise it ran with (recalibrating for other

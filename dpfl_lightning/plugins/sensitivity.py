@@ -92,11 +92,14 @@ class SensitivityBound(FederatedCallback):
         if not self.log_norms:
             return []
         owner = type(self).__name__
-        return [Segment("raw_norm", 1, "data", owner), Segment("bounded", 1, "data", owner)]
+        return [Segment("raw_norm", 1, "data", owner), Segment("raw_norm_sq", 1, "data", owner),
+                Segment("bounded", 1, "data", owner)]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         owner = type(self).__name__
-        return [MetricRelease("update_norm_mean", "unaccounted", owner, "mean raw update norm"),
+        return [MetricRelease("clip_norm", "public", owner, "the bound C in force"),
+                MetricRelease("update_norm_mean", "unaccounted", owner, "mean raw update norm"),
+                MetricRelease("update_norm_std", "unaccounted", owner, "spread of the raw update norms"),
                 MetricRelease("fraction_bounded", "unaccounted", owner, "fraction of clients above the bound")]
 
     def on_client_end(self, *, client) -> None:
@@ -105,10 +108,18 @@ class SensitivityBound(FederatedCallback):
             client.checked_finite.update(self.segments)
         if self.log_norms:
             client.payload["raw_norm"].fill_(norm)
+            client.payload["raw_norm_sq"].fill_(norm * norm)
             client.payload["bounded"].fill_(float(norm > self.max_norm or not self.only_if_above))
 
+    def before_round(self, *, plan, server) -> None:
+        self._round_bound = self.max_norm  # an adaptive bound may move during the round
+
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
+        metrics["clip_norm"] = self._round_bound
         agg = server.aggregate
         if self.log_norms and agg is not None and agg.num_clients:
-            metrics["update_norm_mean"] = agg.scalar("raw_norm") / agg.num_clients
-            metrics["fraction_bounded"] = agg.scalar("bounded") / agg.num_clients
+            n = agg.num_clients
+            mean = agg.scalar("raw_norm") / n
+            metrics["update_norm_mean"] = mean
+            metrics["update_norm_std"] = math.sqrt(max(agg.scalar("raw_norm_sq") / n - mean * mean, 0.0))
+            metrics["fraction_bounded"] = agg.scalar("bounded") / n

@@ -85,6 +85,9 @@ class NormSquare(FederatedCallback):
     def released_metrics(self, *, ctx):
         return [MetricRelease("noisy_norm_sq", "noised", "NormSquare")]
 
+    def value_bound(self, *, segment, bound):
+        return self._bound() ** 2 if segment == "norm_sq" else bound
+
     def on_client_end(self, *, client):
         # computed from the clipped update (before any noise), so bounded by C^2
         client.payload["norm_sq"].fill_(float(torch.linalg.vector_norm(client.payload["update"], dtype=torch.float64)) ** 2)
@@ -137,6 +140,9 @@ class AdaptiveClip(FederatedCallback):
 
     def released_metrics(self, *, ctx):
         return [MetricRelease("clip_norm", "noised", "AdaptiveClip")]
+
+    def value_bound(self, *, segment, bound):
+        return 1.0 if segment == "below" else bound
 
     def on_client_end(self, *, client):
         norm = float(torch.linalg.vector_norm(client.payload["update"], dtype=torch.float64))

@@ -47,6 +47,14 @@ class ExactSum:
         """Sum ``rows`` (``[k, D]``) over all ranks, each segment ``(start, end)`` of the columns on
         its own grid. Returns float64 ``[D]``, identical on every rank for any split of the
         ``n_rows_total`` rows over ranks and any order."""
+        total = self.grid_sum(rows, segments, n_rows_total, comm)
+        comm.allreduce_sum_(total)
+        return total
+
+    def grid_sum(self, rows: torch.Tensor, segments: list[tuple[int, int]], n_rows_total: int,
+                 comm: Communicator) -> torch.Tensor:
+        """This rank's sum of ``rows`` on the grid every rank agrees on (steps 1-3 of the module
+        docstring; one ``MAX`` all-reduce): adding the ranks' results in any order is exact."""
         k, width = rows.shape
         device = rows.device
         maxes = torch.zeros(len(segments), dtype=torch.float64, device=device)
@@ -64,7 +72,6 @@ class ExactSum:
                 magic = 1.5 * 2.0 ** (grid_exponent(m, n_rows_total) + 52)
                 x[:, a:b].add_(magic).sub_(magic)
             torch.sum(x, dim=0, out=total)
-        comm.allreduce_sum_(total)
         return total
 
 

@@ -80,6 +80,15 @@ class FederatedCallback:
         """The metrics this plugin adds in ``on_round_end``, and what kind of release each is."""
         return []
 
+    def value_bound(self, *, segment: str, bound: float | None) -> float | None:
+        """The largest magnitude any value of payload ``segment`` can have, for any client, after
+        this plugin's ``on_client_end``, given ``bound`` before it (``None``: unknown). Asked at the
+        start of every round, in plugin order: bounding plugins return their norm bound, noise
+        widens it by a Gaussian tail, a plugin that writes a segment gives its range. The exact
+        aggregation fixes its grid from these in advance and streams (see
+        :mod:`dpfl_lightning.aggregation`)."""
+        return bound
+
     def on_fit_start(self, *, ctx: SetupContext) -> None:
         """Before the first round of this ``fit`` call (also after a resume)."""
 

@@ -45,6 +45,10 @@ from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.releases import MetricRelease
 
 
+#: a Gaussian coordinate exceeds this many standard deviations with probability below 1e-500
+NOISE_TAIL = 50.0
+
+
 def check_noise_multiplier(owner: str, value: float | None, allow_infinite_epsilon: bool) -> None:
     """Refuse a noise multiplier of 0 (epsilon = inf) unless the user says so explicitly."""
     if value is None:
@@ -151,6 +155,12 @@ class GaussianNoise(FederatedCallback):
             out.append(MetricRelease("snr", "noised", "GaussianNoise", "signal-to-noise ratio of the aggregate, "
                                      "estimated from the noised sum"))
         return out
+
+    def value_bound(self, *, segment: str, bound: float | None) -> float | None:
+        if self.placement == "central" or segment not in self.segments or bound is None:
+            return bound
+        std = self._round_sigma if self.placement == "local" else self._round_sigma / math.sqrt(self._cohort_size)
+        return bound + NOISE_TAIL * std
 
     def before_round(self, *, plan, server) -> None:
         self._cohort_size = max(len(plan.cohort), 1)

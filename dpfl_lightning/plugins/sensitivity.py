@@ -102,6 +102,13 @@ class SensitivityBound(FederatedCallback):
                 MetricRelease("update_norm_std", "unaccounted", owner, "spread of the raw update norms"),
                 MetricRelease("fraction_bounded", "unaccounted", owner, "fraction of clients above the bound")]
 
+    def value_bound(self, *, segment: str, bound: float | None) -> float | None:
+        if segment in self.segments:  # every value of a vector of norm <= C is at most C
+            return self.max_norm if bound is None else min(bound, self.max_norm)
+        if segment in ("raw_norm", "bounded") and self.log_norms:
+            return None if segment == "raw_norm" else 1.0
+        return bound
+
     def on_client_end(self, *, client) -> None:
         norm = scale_to_norm_([client.payload[s] for s in self.segments], self.max_norm, self.only_if_above)
         if math.isfinite(norm):  # finite values, scaled by a finite factor: the trainer need not check

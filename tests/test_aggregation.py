@@ -1,0 +1,82 @@
+"""Streaming exact aggregation: rows folded one by one into a per-rank sum on a grid fixed in
+advance from the declared bounds give the same bits for any split over ranks and any order; a
+segment with no bound falls back to the two-pass method; memory does not grow with the clients."""
+
+import pytest
+import torch
+
+from dpfl_lightning.aggregation import PayloadAggregator
+from dpfl_lightning.comm.base import Communicator
+from dpfl_lightning.payload import PayloadLayout, Segment
+from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+LAYOUT = PayloadLayout([Segment("update", 500), Segment("norm_sq", 1, "data"), Segment("raw", 3, "data")])
+
+
+class Ranks(Communicator):
+    """Collectives of simulated ranks: maxima are taken over all of them, sums are captured so the
+    test adds them in any order."""
+
+    def __init__(self, maxes):
+        self.maxes, self.sums = maxes, []
+
+    def allreduce_max_(self, tensor):
+        tensor.copy_(self.maxes)
+        return tensor
+
+    def allreduce_sum_(self, tensor):
+        self.sums.append(tensor.clone())
+        return tensor
+
+
+def _aggregate(rows, splits, order, bounds):
+    raw = rows[:, LAYOUT.offsets["raw"][0]:]
+    ranks = Ranks(raw.abs().amax().double().reshape(1))
+    for idx in splits:
+        agg = PayloadAggregator(LAYOUT, torch.device("cpu"))
+        agg.start(rows.shape[0], bounds)
+        for k in idx:
+            views = agg.client_views()
+            agg.update_out.copy_(rows[k, :500])
+            views["norm_sq"].copy_(rows[k, 500:501])
+            views["raw"].copy_(rows[k, 501:])
+            agg.fold()
+        agg.reduce(ranks)
+        assert agg.streamed == ["update", "norm_sq"] and agg.kept == ["raw"]
+    total = torch.zeros_like(ranks.sums[0])
+    for k in order:
+        total += ranks.sums[k]
+    return total
+
+
+@pytest.mark.parametrize("overshoot", [1.0, 100.0])
+def test_streamed_sums_are_identical_for_any_split_and_order(overshoot):
+    g = torch.Generator().manual_seed(0)
+    n = 41
+    update = torch.randn(n, 500, generator=g) * torch.logspace(-8, 0, 500)
+    update *= (overshoot / update.norm(dim=1, keepdim=True))  # norms = overshoot x the declared bound 1
+    rows = torch.cat([update, torch.rand(n, 1, generator=g), torch.randn(n, 3, generator=g) * 1e3], dim=1)
+    bounds = {"update": 1.0, "norm_sq": 1.0, "raw": None}
+    ref = _aggregate(rows, [range(n)], [0], bounds)
+    perm = torch.randperm(n, generator=g).tolist()
+    for splits, order in [([perm[:10], perm[10:]], [1, 0]), ([perm[i::3] for i in range(3)], [2, 0, 1]),
+                          ([perm[::-1]], [0])]:
+        assert torch.equal(_aggregate(rows, splits, order, bounds), ref)
+    exact = rows.double().sum(0)
+    # the grid of a bounded segment comes from its bound B = 1: each value moves by at most
+    # 2^(L-1) <= B n 2^-42, far below float32's resolution of B; the unbounded segment gets the grid
+    # of its own maximum
+    assert ((ref - exact)[:501].abs() <= n * n * 2.0**-42).all()
+    assert ((ref - exact)[501:].abs() <= 1e-12 * rows[:, 501:].abs().max().double() * n).all()
+
+
+def test_a_bounded_run_keeps_no_rows_and_an_unbounded_one_says_so(log_dir):
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=5,
+                      plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement="local")])
+    t.fit(TinyClassifier(), tiny_data())
+    assert t.aggregator.kept == [] and "update" in t.aggregator.streamed
+    free = quiet_trainer(log_dir, rounds=1, clients_per_round=5)  # FedAvg without clipping: no bound
+    free.fit(TinyClassifier(), tiny_data())
+    assert free.aggregator.kept == ["update"]
+    assert any("no bound" in note for note in free.aggregator.notes())

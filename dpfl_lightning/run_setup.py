@@ -71,6 +71,7 @@ class RunSetup:
     weighting: str
     notes: list[str] = field(default_factory=list)
     current_plan: RoundPlan | None = None
+    max_client_samples: float = 1.0
 
     @property
     def private(self) -> bool:
@@ -265,4 +266,5 @@ def build_run(trainer: FederatedTrainer, module: Any, data: Any) -> RunSetup:
     notes = _notes(trainer, data, layout, opt_in) if private else []
     template = {"local_steps": trainer.local_steps, "local_epochs": trainer.local_epochs,
                 "batch_size": trainer.batch_size, "client_lr_decay": trainer.client_lr_decay}
-    return RunSetup(device, ctx.sampler, ctx.random, ctx, layout, releases, ledger, template, trainer.weighting, notes)
+    return RunSetup(device, ctx.sampler, ctx.random, ctx, layout, releases, ledger, template, trainer.weighting, notes,
+                    max_client_samples=float(max(data.client_num_samples(c) for c in range(data.num_clients))))

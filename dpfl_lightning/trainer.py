@@ -220,10 +220,12 @@ class FederatedTrainer:
         self.module, self.data = module, data
         self._hooks = {h: [p for p in self.plugins if getattr(type(p), h) is not getattr(FederatedCallback, h)]
                        for h in HOOKS}
+        self._bounders = [p for p in self.plugins if type(p).value_bound is not FederatedCallback.value_bound]
         self.executor.setup(module, data, [type(p).__name__ for p in
                                            self._hooks["on_before_optimizer_step"] + self._hooks["wrap_optimizer"]])
         self.aggregator = PayloadAggregator(run.layout, run.device, self.exact_aggregation)
         self._kinds: dict[str, str] = {}  # the release kind of every metric key
+        self._noted = False
         start = self._restore(state) if state is not None else 0
         if state is not None and run.ledger is not None:  # restored plugins (calibrated noise) are in force now
             collect_mechanisms(self.plugins, run.ctx)
@@ -287,14 +289,18 @@ class FederatedTrainer:
         mine = [c for c in plan.cohort if self.owner(c) == comm.rank]
         server.my_clients = mine
         run.current_plan = plan
-        self.aggregator.start(len(mine))
+        self.aggregator.start(len(plan.cohort), self._value_bounds())
         module.logged.reset()
-        work = RoundWork(module, self.data, plan, mine, run.random, self.aggregator.update_view, self._open_client,
-                         self._step_hook, self._optimizer_wrapper)
-        bad = [ctx.client for k, ctx, client_run in self.executor.train(work) if not self._finish_client(k, ctx, client_run)]
+        work = RoundWork(module, self.data, plan, mine, run.random, lambda k: self.aggregator.update_out,
+                         self._open_client, self._step_hook, self._optimizer_wrapper)
+        bad = [ctx.client for _, ctx, client_run in self.executor.train(work) if not self._finish_client(ctx, client_run)]
         train_logs = module.logged.results() if run.gathers_client_logs else None
 
-        sums = self.aggregator.reduce(len(plan.cohort), comm)
+        sums = self.aggregator.reduce(comm)
+        if not self._noted and self.is_global_zero and self.enable_summary:
+            for note in self.aggregator.notes():
+                print(f"note: {note}", flush=True)
+        self._noted = True
         if "nonfinite" in sums and sums["nonfinite"].item() > 0:
             bad = sorted(c for part in comm.allgather_object(bad) for c in part)
             raise NonFiniteUpdateError(
@@ -360,10 +366,21 @@ class FederatedTrainer:
 
         return wrap
 
-    def _finish_client(self, k: int, ctx: ClientContext, client_run) -> bool:
-        """Run the plugins on one trained client's payload; ``False`` if its update was not finite."""
-        row = self.aggregator.row(k)
-        ctx.payload = self.aggregator.views(k)
+    def _value_bounds(self) -> dict[str, float | None]:
+        """Every payload segment's declared bound for this round (see ``value_bound``)."""
+        bounds: dict[str, float | None] = {"nonfinite": 1.0, "skipped": 1.0, "weight": self.run.max_client_samples}
+        for seg in self.run.layout.names:
+            for p in self._bounders:
+                bounds[seg] = p.value_bound(segment=seg, bound=bounds.get(seg))
+        if self.weighting == "samples" and bounds.get("update") is not None:
+            bounds["update"] *= self.run.max_client_samples  # the update is multiplied by the client's weight
+        return bounds
+
+    def _finish_client(self, ctx: ClientContext, client_run) -> bool:
+        """Run the plugins on one trained client's payload and add it to the rank's sum; ``False``
+        if its update was not finite."""
+        row = self.aggregator.row
+        ctx.payload = self.aggregator.client_views()
         ctx.steps, ctx.lr = client_run.steps, client_run.lr
         if self.normalize_update_by_lr:
             ctx.payload["update"].div_(client_run.lr)
@@ -392,6 +409,7 @@ class FederatedTrainer:
             weight = float(ctx.num_samples)
             ctx.payload["update"].mul_(weight)
             ctx.payload["weight"].fill_(weight)
+        self.aggregator.fold()
         return ok
 
     def _tagged(self, metrics: dict[str, float], kind: str) -> dict[str, float]:

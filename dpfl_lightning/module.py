@@ -6,27 +6,46 @@ model lives in a second flat buffer (``global_params``). A client starts with
 Lightning's order, and its update is ``working - global_params``: two vector operations, no
 ``parameters_to_vector`` copies and no ``lightning.Trainer`` per client.
 
+While a run lasts, ``self.trainer`` of the wrapped module is a small stand-in for
+``lightning.Trainer`` (:class:`_TrainerShim`): ``current_epoch`` is the round, ``global_step``
+and ``estimated_stepping_batches`` count one client's optimizer steps, ``self.optimizers()``,
+``self.lr_schedulers()``, ``self.manual_backward``, ``self.clip_gradients``,
+``self.toggle_optimizer`` work as under Lightning. What each of these means in a federated run is
+written down in :mod:`dpfl_lightning.lightning_compat`.
+
 Lightning's per-batch order (automatic optimization), which :meth:`fit_client` follows:
 
 1. ``on_before_batch_transfer`` -> ``transfer_batch_to_device`` -> ``on_after_batch_transfer``
+   (a LightningDataModule's own versions take precedence, as in Lightning)
 2. ``on_train_batch_start`` (returning ``-1`` ends the client's local training)
 3. ``optimizer_step(epoch, batch_idx, optimizer, closure)``; the closure runs ``training_step``,
    ``on_before_zero_grad``, ``optimizer_zero_grad``, ``on_before_backward``, ``backward``,
-   ``on_after_backward``, then the plugins' and the module's ``on_before_optimizer_step``
+   ``on_after_backward``; then the plugins' and the module's ``on_before_optimizer_step`` and
+   ``configure_gradient_clipping`` run before the parameters change. With
+   ``accumulate_grad_batches=k`` only every ``k``-th batch (and the last of a local epoch) steps.
 4. ``on_train_batch_end``; step-interval LR schedulers step.
 
-With manual optimization the module's ``training_step`` drives its optimizers itself
-(``self.optimizers()``, ``self.manual_backward``); plugin ``on_before_optimizer_step`` hooks run as
-optimizer step pre-hooks.
+``on_train_epoch_start`` / ``on_train_epoch_end`` run once per client per round, around all of its
+local epochs. With manual optimization the module's ``training_step`` drives its optimizers itself
+(``self.optimizers()``, ``self.manual_backward``); the plugins' ``on_before_optimizer_step`` runs
+inside every ``optimizer.step()``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.logged_metrics import LoggedMetrics
@@ -40,14 +59,17 @@ def is_lightning_module(obj: Any) -> bool:
     return isinstance(obj, nn.Module) and any(c.__name__ == "LightningModule" for c in type(obj).__mro__)
 
 
-def _lightning_base(module: nn.Module) -> type:
-    return next(c for c in type(module).__mro__ if c.__name__ == "LightningModule")
+def _lightning_base(module: Any, base: str = "LightningModule") -> type | None:
+    return next((c for c in type(module).__mro__ if c.__name__ == base), None)
 
 
-def is_overridden(module: nn.Module, name: str) -> bool:
-    """True when the module's class defines ``name`` itself instead of inheriting Lightning's."""
-    base = _lightning_base(module)
-    return getattr(type(module), name, None) is not getattr(base, name, None)
+def is_overridden(module: Any, name: str, base: str = "LightningModule") -> bool:
+    """True when the object's class defines ``name`` itself instead of inheriting it from Lightning's
+    ``base`` class (an object without that base overrides whatever it has)."""
+    cls = _lightning_base(module, base)
+    if cls is None:
+        return callable(getattr(module, name, None))
+    return getattr(type(module), name, None) is not getattr(cls, name, None)
 
 
 def batch_size_of(batch: Batch) -> int:
@@ -57,7 +79,7 @@ def batch_size_of(batch: Batch) -> int:
         return batch.shape[0] if batch.dim() else 1
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size_of(batch[0])
-    if isinstance(batch, dict) and batch:
+    if isinstance(batch, Mapping) and batch:
         return batch_size_of(next(iter(batch.values())))
     return 1
 
@@ -73,18 +95,16 @@ def _move(batch: Batch, device: torch.device) -> Batch:
 
 
 _STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "optimizer_step", "on_before_zero_grad",
-               "optimizer_zero_grad", "on_before_backward", "backward", "on_after_backward", "on_before_optimizer_step")
+               "optimizer_zero_grad", "on_before_backward", "backward", "on_after_backward", "on_before_optimizer_step",
+               "configure_gradient_clipping", "lr_scheduler_step")
+_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+_SCHEDULER_KEYS = {"scheduler", "name", "interval", "frequency", "reduce_on_plateau", "monitor", "strict"}
 
 
-@dataclass
-class _Scheduler:
-    scheduler: Any
-    interval: str = "epoch"
-    frequency: int = 1
-
-
-def parse_optimizers(conf: Any) -> tuple[list[torch.optim.Optimizer], list[_Scheduler]]:
-    """Read what ``configure_optimizers`` returned (every form Lightning accepts)."""
+# ---------------------------------------------------------------------------------------- configure_optimizers
+def parse_optimizers(conf: Any) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
+    """Read what ``configure_optimizers`` returned (every form Lightning accepts) into optimizers and
+    Lightning ``LRSchedulerConfig`` objects."""
     if conf is None:
         raise ConfigError("model.configure_optimizers", None, "returned no optimizer", "return a torch.optim.Optimizer")
     if isinstance(conf, torch.optim.Optimizer):
@@ -92,57 +112,278 @@ def parse_optimizers(conf: Any) -> tuple[list[torch.optim.Optimizer], list[_Sche
     if isinstance(conf, dict):
         conf = [conf]
     if isinstance(conf, (list, tuple)) and len(conf) == 2 and isinstance(conf[0], (list, tuple)):
-        opts, scheds = list(conf[0]), list(conf[1]) if isinstance(conf[1], (list, tuple)) else [conf[1]]
+        opts = list(conf[0])
+        scheds = list(conf[1]) if isinstance(conf[1], (list, tuple)) else [conf[1]]
         return opts, [_as_scheduler(s) for s in scheds]
     optimizers: list[torch.optim.Optimizer] = []
-    schedulers: list[_Scheduler] = []
+    schedulers: list[LRSchedulerConfig] = []
     for item in conf:
         if isinstance(item, torch.optim.Optimizer):
             optimizers.append(item)
         elif isinstance(item, dict) and "optimizer" in item:
             optimizers.append(item["optimizer"])
             if item.get("lr_scheduler") is not None:
-                schedulers.append(_as_scheduler(item["lr_scheduler"]))
+                schedulers.append(_as_scheduler(item["lr_scheduler"], item.get("monitor")))
         else:
             raise ConfigError("model.configure_optimizers", type(item).__name__, "returned an unsupported value",
                               "return an Optimizer, a list of them, (optimizers, schedulers) or a dict")
     return optimizers, schedulers
 
 
-def _as_scheduler(item: Any) -> _Scheduler:
+def _as_scheduler(item: Any, monitor: str | None = None) -> LRSchedulerConfig:
     if isinstance(item, dict):
-        return _Scheduler(item["scheduler"], item.get("interval", "epoch"), int(item.get("frequency", 1)))
-    return _Scheduler(item)
+        if "scheduler" not in item:
+            raise ConfigError("model.configure_optimizers", sorted(item), "an lr_scheduler dict has no 'scheduler'",
+                              'return {"scheduler": sched, "interval": "epoch"}')
+        extra = set(item) - _SCHEDULER_KEYS
+        if extra:
+            warnings.warn(f"configure_optimizers: unsupported keys in the lr scheduler dict: {sorted(extra)}",
+                          RuntimeWarning, stacklevel=3)
+        sched = item["scheduler"]
+        cfg = LRSchedulerConfig(sched, item.get("name"), item.get("interval", "epoch"), int(item.get("frequency", 1)),
+                                bool(item.get("reduce_on_plateau", isinstance(sched, ReduceLROnPlateau))),
+                                item.get("monitor", monitor), bool(item.get("strict", True)))
+    else:
+        cfg = LRSchedulerConfig(item, reduce_on_plateau=isinstance(item, ReduceLROnPlateau), monitor=monitor)
+    name = type(cfg.scheduler).__name__
+    if cfg.interval not in ("epoch", "step"):
+        raise ConfigError("model.configure_optimizers", cfg.interval, f"the interval of {name} is neither 'epoch' nor "
+                          "'step'", "set interval to 'epoch' (once per round) or 'step' (every local optimizer step)")
+    if cfg.frequency < 1:
+        raise ConfigError("model.configure_optimizers", cfg.frequency, f"the frequency of {name} must be >= 1",
+                          "set frequency >= 1")
+    if cfg.reduce_on_plateau and cfg.monitor is None:
+        raise ConfigError("model.configure_optimizers", name, "a ReduceLROnPlateau scheduler needs the metric it "
+                          "monitors (the server steps it once per round on that released metric)",
+                          'return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}')
+    if cfg.reduce_on_plateau and cfg.interval != "epoch":
+        raise ConfigError("model.configure_optimizers", "interval='step'", f"{name} steps once per round, on a metric "
+                          "the round releases, not inside a client", "set interval='epoch'")
+    return cfg
 
 
-class _FabricShim:
-    """What the wrapped module reaches through ``self.fabric`` / ``self.trainer`` while we drive it.
+def optimizer_steps_per_round(batches: int, batches_per_epoch: int, accumulate: int) -> int:
+    """Optimizer steps of ``batches`` local batches taken in passes of ``batches_per_epoch``, when every
+    ``accumulate``-th batch of a pass, and the last one, step (Lightning's accumulation rule)."""
+    if accumulate <= 1:
+        return batches
+    per_epoch = max(batches_per_epoch, 1)
+    full, rest = divmod(batches, per_epoch)
+    return full * math.ceil(per_epoch / accumulate) + math.ceil(rest / accumulate)
 
-    ``LightningModule.backward`` / ``manual_backward`` call ``fabric.backward`` and
-    ``self.optimizers()`` reads ``_fabric_optimizers``; ``self.trainer.X`` resolves to these
-    attributes, so ``self.trainer.current_epoch`` is the current round.
-    """
 
-    def __init__(self, logged: LoggedMetrics) -> None:
-        self._logged = logged
+# ---------------------------------------------------------------------------------------- loop settings
+PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+
+
+@dataclass
+class LoopSettings:
+    """The trainer settings that shape every client's local loop (and what ``self.trainer`` shows)."""
+
+    rounds: int = 1
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
+    precision: str = "32-true"
+    eval_every: int = 1
+    steps_reference: int = 0  # optimizer steps per round of the reference (largest) client
+    log_dir: str | None = None
+
+
+class _Strategy:
+    """``self.trainer.strategy``: where ``LightningOptimizer.step`` and ``manual_backward`` land."""
+
+    handles_gradient_accumulation = False
+
+    def __init__(self, fm: FederatedLightningModule) -> None:
+        self._fm = fm
+        self._lightning_optimizers: list[LightningOptimizer] = []
+
+    @property
+    def lightning_module(self) -> nn.Module:
+        return self._fm.inner
+
+    model = lightning_module
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._fm.device
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._fm._shim.is_global_zero
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        return self._fm._optimizer_step(optimizer, closure, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._fm._backward(closure_loss, *args, **kwargs)
+
+    # a client trains on one rank; nothing inside the module synchronises ranks
+    def barrier(self, name: str | None = None) -> None:
+        return None
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        return decision
+
+
+class _PrecisionPlugin:
+    """``self.trainer.precision_plugin``: gradient clipping as Lightning's precision plugins do it."""
+
+    def __init__(self, fm: FederatedLightningModule) -> None:
+        self._fm = fm
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: float | int = 0.0,
+                       gradient_clip_algorithm: Any = "norm") -> None:
+        if clip_val is None or clip_val <= 0:
+            return
+        if getattr(optimizer, "clips_per_record", False):
+            raise ConfigError("gradient clipping", clip_val, "DP-SGD clips every record's gradient at max_grad_norm and "
+                              "ignores the batch gradient, so clipping it has no effect",
+                              "remove the clipping (DPSGD(max_grad_norm=...) is the bound)")
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)) == "value":
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, clip_val)
+
+
+class _TrainerShim:
+    """``self.trainer`` of the wrapped module during a federated run (a stand-in for
+    ``lightning.Trainer``; see :mod:`dpfl_lightning.lightning_compat` for what each attribute means)."""
+
+    def __init__(self, fm: FederatedLightningModule) -> None:
+        self.strategy = _Strategy(fm)
+        self.precision_plugin = _PrecisionPlugin(fm)
         self.current_epoch = 0
         self.global_step = 0
         self.global_rank = 0
         self.local_rank = 0
+        self.node_rank = 0
         self.world_size = 1
+        self.num_nodes = 1
+        self.num_devices = 1
         self.is_global_zero = True
         self.logger = None
         self.loggers: list[Any] = []
         self.device = torch.device("cpu")
+        self.max_epochs = 1
+        self.min_epochs = None
+        self.max_steps = -1
+        self.min_steps = None
+        self.estimated_stepping_batches = 0
+        self.num_training_batches = 0
+        self.accumulate_grad_batches = 1
+        self.gradient_clip_val: float | None = None
+        self.gradient_clip_algorithm: Any = None
+        self.precision = "32-true"
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_scheduler_configs: list[LRSchedulerConfig] = []
+        self.model: nn.Module | None = None
+        self.lightning_module: nn.Module | None = None
+        self.datamodule: Any = None
+        self.training = self.validating = self.testing = self.predicting = self.sanity_checking = False
+        self.is_last_batch = False
+        self.should_stop = False
+        self.interrupted = False
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        self.check_val_every_n_epoch = 1
+        self.val_check_interval = 1.0
+        self.num_sanity_val_steps = 0
+        self.log_every_n_steps = 1
+        self.fast_dev_run = False
+        self.log_dir: str | None = None
+        self.default_root_dir: str | None = None
+        self.callbacks: list[Any] = []
 
-    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        tensor.backward(*args, **kwargs)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"self.trainer.{name} is not available in a federated run (there is no lightning.Trainer; "
+                             "see dpfl_lightning.lightning_compat for what self.trainer offers)")
 
-    def log_dict(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        self._logged.log_dict(metrics)
 
-    def log(self, name: str, value: Any, step: int | None = None) -> None:
-        self._logged.log(name, value)
+
+# ---------------------------------------------------------------------------------------- schedules across rounds
+def _step_scheduler(m: nn.Module, cfg: LRSchedulerConfig, metric: Any, custom: bool) -> None:
+    if custom:
+        m.lr_scheduler_step(cfg.scheduler, metric)
+    elif metric is None:
+        cfg.scheduler.step()
+    else:
+        cfg.scheduler.step(metric)
+
+
+class _ScheduleCursor:
+    """The optimizers and schedulers of clients that take ``steps`` optimizer steps per round, advanced
+    round by round without data: where a Lightning run whose every epoch had ``steps`` steps would
+    be at the start of a round. Fresh client optimizers copy their learning rates (and every other
+    param-group setting) and their schedulers' state from here."""
+
+    def __init__(self, fm: FederatedLightningModule, steps: int) -> None:
+        self.steps = steps
+        self.opts, self.scheds = fm._configure_optimizers(steps)
+        for opt in self.opts:
+            opt._opt_called = True  # these optimizers never step; torch would warn on the first scheduler step
+        self.round = 0
+        self._step = [c for c in self.scheds if c.interval == "step" and not c.reduce_on_plateau]
+        self._epoch = [c for c in self.scheds if c.interval == "epoch" and not c.reduce_on_plateau]
+        self._plateau = [c for c in self.scheds if c.reduce_on_plateau]
+
+    def advance(self, fm: FederatedLightningModule, round_idx: int) -> None:
+        """Bring the schedulers to the start of ``round_idx``: per past round, its step-interval steps,
+        then the epoch-interval steps, then ``ReduceLROnPlateau`` on the round's released metric."""
+        if round_idx < self.round:
+            raise RuntimeError(f"schedule cursor at round {self.round} cannot go back to round {round_idx}")
+        m, custom, shim = fm.inner, fm._overridden["lr_scheduler_step"], fm._shim
+        saved = shim.current_epoch, shim.global_step
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                for r in range(self.round, round_idx):
+                    shim.current_epoch = r
+                    if self._step:
+                        for g in range(r * self.steps + 1, (r + 1) * self.steps + 1):
+                            shim.global_step = g
+                            for cfg in self._step:
+                                if g % cfg.frequency == 0:
+                                    _step_scheduler(m, cfg, None, custom)
+                    for cfg in self._epoch:
+                        if (r + 1) % cfg.frequency == 0:
+                            _step_scheduler(m, cfg, None, custom)
+                    for cfg in self._plateau:
+                        value = fm.round_metrics.get(r, {}).get(cfg.monitor)
+                        if value is not None and (r + 1) % cfg.frequency == 0:
+                            _step_scheduler(m, cfg, float(value), custom)
+        finally:
+            shim.current_epoch, shim.global_step = saved
+        self.round = round_idx
+
+    def copy_into(self, opts: list[torch.optim.Optimizer], scheds: list[LRSchedulerConfig]) -> None:
+        if len(opts) != len(self.opts) or len(scheds) != len(self.scheds) or any(
+                len(a.param_groups) != len(b.param_groups) for a, b in zip(opts, self.opts)):
+            raise ConfigError("model.configure_optimizers", f"{len(opts)} optimizers, {len(scheds)} schedulers",
+                              "returned a different structure on another call", "return the same optimizers and "
+                              "schedulers (and param groups) every time it is called")
+        for opt, ref in zip(opts, self.opts):
+            for group, ref_group in zip(opt.param_groups, ref.param_groups):
+                for key, value in ref_group.items():
+                    if key != "params":
+                        group[key] = value
+        for cfg, ref in zip(scheds, self.scheds):
+            cfg.scheduler.load_state_dict(copy.deepcopy(ref.scheduler.state_dict()))
 
 
 @dataclass
@@ -188,13 +429,76 @@ class FederatedLightningModule:
             raise ConfigError("model", type(model).__name__, "is not a torch module",
                               "pass a LightningModule or an nn.Module with loss_fn")
         self.logged = LoggedMetrics()
-        self._shim = _FabricShim(self.logged)
+        self._shim = _TrainerShim(self)
         self._ready = False
+        self._attached = False
+        self._laid_out = False
         self.device = torch.device("cpu")
+        self.loop = LoopSettings()
+        self.datamodule: Any = None
+        self.round_metrics: dict[int, dict[str, float]] = {}  # released rows by round (ReduceLROnPlateau)
+        self._cursors: dict[int, _ScheduleCursor] = {}
+        self._has_schedulers: bool | None = None
+        self._scaler: Any = None
+        self._autocast: tuple[str, torch.dtype] | None = None
+        self._before_step: StepHook | None = None
+        self._lr_factor = 1.0
+        self._in_step = False
+        self._dp_steps = 0
+        self._overridden = {h: False for h in _STEP_HOOKS}
+        self._automatic = bool(getattr(self.inner, "automatic_optimization", True))
 
-    # ------------------------------------------------------------------ set-up
+    # ------------------------------------------------------------------ run set-up
+    def configure_loop(self, settings: LoopSettings, datamodule: Any = None, loggers: list[Any] | None = None) -> None:
+        """The trainer's settings for this run (before :meth:`prepare`)."""
+        self.loop = settings
+        self.datamodule = datamodule
+        shim = self._shim
+        shim.max_epochs = settings.rounds
+        shim.accumulate_grad_batches = settings.accumulate_grad_batches
+        shim.gradient_clip_val = settings.gradient_clip_val
+        if settings.gradient_clip_algorithm is not None:
+            from lightning.pytorch.utilities import GradClipAlgorithmType
+
+            shim.gradient_clip_algorithm = GradClipAlgorithmType(settings.gradient_clip_algorithm)
+        else:
+            shim.gradient_clip_algorithm = None
+        shim.precision = settings.precision
+        shim.check_val_every_n_epoch = settings.eval_every
+        shim.log_dir = shim.default_root_dir = settings.log_dir
+        shim.datamodule = datamodule
+        if loggers is not None:
+            shim.loggers = list(loggers)
+            shim.logger = shim.loggers[0] if shim.loggers else None
+        self._cursors = {}
+        self._has_schedulers = None
+        self.round_metrics = {}
+
+    def attach(self) -> None:
+        """Make ``self.trainer`` of the wrapped module (and of LightningModules inside it) the stand-in,
+        and route ``self.log`` to the round's metrics."""
+        m = self.inner
+        shim = self._shim
+        shim.model = shim.lightning_module = m
+        m.trainer = shim  # LightningModule's setter also sets it on nested LightningModules
+        for sub in m.modules():
+            if is_lightning_module(sub):
+                sub.log = self.logged.log  # instance attributes shadow LightningModule.log / log_dict
+                sub.log_dict = self.logged.log_dict
+        self._attached = True
+
+    def prepare(self, stage: str = "fit") -> None:
+        """Lightning's run-level set-up hooks, before the parameters are laid out: ``setup(stage)`` and
+        ``configure_model()`` (layers they create are trained like any other)."""
+        if not self._attached:
+            self.attach()
+        self.inner.setup(stage)
+        self.inner.configure_model()
+
     def setup(self, device: torch.device, rank: int = 0, world_size: int = 1, local_rank: int = 0) -> None:
-        """Move to ``device``, lay the parameters over one flat buffer and attach the shims."""
+        """Move to ``device``, lay the parameters over one flat buffer and attach the stand-in trainer."""
+        if not self._attached:
+            self.attach()
         m = self.inner
         m.to(device)
         self.device = device
@@ -222,6 +526,7 @@ class FederatedLightningModule:
             self._slices.append((offset, n))
             offset += n
         self._params = params
+        self._laid_out = True
         self.global_params = self.working.clone()
         self._buffers0 = {k: b.detach().clone() for k, b in m.named_buffers()}
 
@@ -229,26 +534,58 @@ class FederatedLightningModule:
         shim.global_rank, shim.world_size, shim.local_rank = rank, world_size, local_rank
         shim.is_global_zero = rank == 0
         shim.device = device
-        m.fabric = shim  # LightningModule stores a weakref proxy; self._shim keeps it alive
-        m.log = self.logged.log  # instance attributes shadow LightningModule.log / log_dict
-        m.log_dict = self.logged.log_dict
         self._automatic = bool(getattr(m, "automatic_optimization", True))
-        self._transfer_hooks = any(
-            is_overridden(m, h) for h in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-        )
+        dm = self.datamodule
+        self._transfer_fns = {h: (getattr(dm, h) if dm is not None and is_overridden(dm, h, "LightningDataModule")
+                                  else getattr(m, h)) for h in _TRANSFER_HOOKS}
+        self._transfer_hooks = any(is_overridden(m, h) for h in _TRANSFER_HOOKS) or (
+            dm is not None and any(is_overridden(dm, h, "LightningDataModule") for h in _TRANSFER_HOOKS))
         self._overridden = {h: is_overridden(m, h) for h in _STEP_HOOKS}
+        self._clip = self._automatic and (self._overridden["configure_gradient_clipping"]
+                                          or bool(self.loop.gradient_clip_val))
         self._has_val = is_overridden(m, "validation_step")
         self._has_test = is_overridden(m, "test_step")
+        self._set_precision(device)
         self._ready = True
 
+    def _set_precision(self, device: torch.device) -> None:
+        p = self.loop.precision
+        self._autocast = None
+        self._scaler = None
+        if p == "bf16-mixed":
+            self._autocast = (device.type, torch.bfloat16)
+        elif p == "16-mixed":
+            self._autocast = (device.type, torch.float16)
+            self._scaler = torch.amp.GradScaler(device.type)
+
+    def _forward_context(self) -> Any:
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._autocast[0], dtype=self._autocast[1])
+
     def teardown(self) -> None:
-        """Detach the shims; the wrapped module keeps the final global parameters."""
+        """Leave the wrapped module as an ordinary LightningModule holding the final global parameters:
+        its own parameter storage (no longer views of the flat buffer), no stand-in trainer, Lightning's
+        own ``self.log``. ``lightning.Trainer`` can fit and test it afterwards."""
         m = self.inner
-        self.load_global()
-        for name in ("log", "log_dict"):
-            m.__dict__.pop(name, None)
-        m._fabric = None
-        m._fabric_optimizers = []
+        if self._laid_out:
+            self.load_global()
+            for p in self._params:
+                p.data = p.data.clone()
+            self._laid_out = False
+        if self._attached:
+            m.trainer = None
+            for sub in m.modules():
+                if is_lightning_module(sub):
+                    sub.__dict__.pop("log", None)
+                    sub.__dict__.pop("log_dict", None)
+            m._param_requires_grad_state = {}
+            m._fabric_optimizers = []
+            self._attached = False
+        self._shim.optimizers = []
+        self._shim.lr_scheduler_configs = []
+        self._shim.strategy._lightning_optimizers = []
+        self._cursors = {}
 
     @property
     def num_parameters(self) -> int:
@@ -273,6 +610,11 @@ class FederatedLightningModule:
         """The per-batch hooks the module overrides (Lightning's defaults are called directly)."""
         return [h for h, on in self._overridden.items() if on]
 
+    @property
+    def trainer_shim(self) -> _TrainerShim:
+        """What the wrapped module sees as ``self.trainer`` while a run lasts."""
+        return self._shim
+
     def set_round(self, round_idx: int) -> None:
         """``self.trainer.current_epoch`` of the wrapped module is the round."""
         self._shim.current_epoch = round_idx
@@ -292,7 +634,12 @@ class FederatedLightningModule:
         so they are never aggregated: each client starts from the initial buffers. Use GroupNorm or
         LayerNorm in private models.
         """
-        self.working.copy_(self.global_params)
+        if self._laid_out:
+            self.working.copy_(self.global_params)
+        else:  # after teardown the parameters have their own storage again
+            with torch.no_grad():
+                for p, (o, n) in zip(self._params, self._slices):
+                    p.copy_(self.global_params[o : o + n].view_as(p))
         if self._buffers0:
             for k, b in self.inner.named_buffers():
                 if k in self._buffers0:
@@ -303,32 +650,148 @@ class FederatedLightningModule:
         self.load_global()
         return self.inner.state_dict()
 
-    # ------------------------------------------------------------------ local training
-    def _transfer(self, batch: Batch) -> Batch:
-        m = self.inner
-        if not self._transfer_hooks:
-            return batch if self.device.type == "cpu" else _move(batch, self.device)
-        batch = m.on_before_batch_transfer(batch, 0)
-        batch = m.transfer_batch_to_device(batch, self.device, 0)
-        return m.on_after_batch_transfer(batch, 0)
+    def record_round(self, round_idx: int, row: Mapping[str, float]) -> None:
+        """The metrics round ``round_idx`` released: what ``ReduceLROnPlateau`` monitors and what
+        ``self.trainer.callback_metrics`` shows."""
+        self.round_metrics[round_idx] = dict(row)
+        metrics = {k: torch.tensor(float(v)) for k, v in row.items() if isinstance(v, (int, float))}
+        self._shim.callback_metrics = metrics
+        self._shim.logged_metrics = dict(metrics)
 
-    def make_optimizers(self, lr_factor: float = 1.0) -> tuple[list[torch.optim.Optimizer], list[_Scheduler]]:
-        """Fresh local optimizers from ``configure_optimizers``, learning rates times ``lr_factor``."""
-        opts, scheds = parse_optimizers(self.inner.configure_optimizers())
+    # ------------------------------------------------------------------ optimizers and schedules
+    def _set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
+        shim = self._shim
+        shim.current_epoch = round_idx
+        shim.global_step = round_idx * steps
+        shim.estimated_stepping_batches = self.loop.rounds * steps
+        shim.num_training_batches = batches
+
+    def _configure_optimizers(self, steps: int) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
+        shim = self._shim
+        saved = shim.estimated_stepping_batches
+        shim.estimated_stepping_batches = self.loop.rounds * steps
+        try:
+            opts, scheds = parse_optimizers(self.inner.configure_optimizers())
+        finally:
+            shim.estimated_stepping_batches = saved
         if self._automatic and len(opts) != 1:
             raise ConfigError("model.configure_optimizers", f"{len(opts)} optimizers",
                               "automatic optimization trains with exactly one optimizer",
                               "return one optimizer or set self.automatic_optimization = False")
-        if lr_factor != 1.0:
-            for opt in opts:
-                for group in opt.param_groups:
-                    group["lr"] *= lr_factor
-                    if "initial_lr" in group:
-                        group["initial_lr"] *= lr_factor
-            for s in scheds:
-                if hasattr(s.scheduler, "base_lrs"):
-                    s.scheduler.base_lrs = [b * lr_factor for b in s.scheduler.base_lrs]
         return opts, scheds
+
+    def check_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
+        """Call ``configure_optimizers`` once, as the reference client would (refuses what cannot run)."""
+        opts, scheds = self._configure_optimizers(self.loop.steps_reference)
+        self._has_schedulers = bool(scheds)
+        return opts, scheds
+
+    def cursor(self, steps: int, round_idx: int) -> _ScheduleCursor:
+        """The schedulers of a client with ``steps`` optimizer steps per round, at the start of ``round_idx``."""
+        cur = self._cursors.get(steps)
+        if cur is None or cur.round > round_idx:
+            cur = self._cursors[steps] = _ScheduleCursor(self, steps)
+        cur.advance(self, round_idx)
+        return cur
+
+    def make_optimizers(self, steps: int = 0, round_idx: int = 0) -> tuple[list[torch.optim.Optimizer],
+                                                                          list[LRSchedulerConfig]]:
+        """Fresh local optimizers from ``configure_optimizers``, their learning rates and schedulers where
+        the run's schedule is at the start of ``round_idx`` for a client of ``steps`` steps per round."""
+        opts, scheds = self._configure_optimizers(steps)
+        if scheds:
+            self._has_schedulers = True
+            self.cursor(steps, round_idx).copy_into(opts, scheds)
+        return opts, scheds
+
+    # ------------------------------------------------------------------ local training
+    def _transfer(self, batch: Batch, dataloader_idx: int = 0) -> Batch:
+        if not self._transfer_hooks:
+            return batch if self.device.type == "cpu" else _move(batch, self.device)
+        fns = self._transfer_fns
+        batch = fns["on_before_batch_transfer"](batch, dataloader_idx)
+        batch = fns["transfer_batch_to_device"](batch, self.device, dataloader_idx)
+        return fns["on_after_batch_transfer"](batch, dataloader_idx)
+
+    def _after_closure(self, optimizer: torch.optim.Optimizer) -> None:
+        """What runs between the gradients and the parameter update (Lightning's order): the plugins'
+        and the module's ``on_before_optimizer_step``, then gradient clipping."""
+        if self._before_step is not None:
+            self._before_step(optimizer)
+        m = self.inner
+        if self._overridden["on_before_optimizer_step"]:
+            m.on_before_optimizer_step(optimizer)
+        if self._clip:
+            loop = self.loop
+            if self._overridden["configure_gradient_clipping"]:
+                m.configure_gradient_clipping(optimizer, gradient_clip_val=loop.gradient_clip_val,
+                                              gradient_clip_algorithm=loop.gradient_clip_algorithm)
+            else:
+                self._shim.precision_plugin.clip_gradients(optimizer, loop.gradient_clip_val,
+                                                           loop.gradient_clip_algorithm or "norm")
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Every local optimizer step, automatic or manual (``LightningOptimizer.step`` lands here)."""
+        if not self._automatic and getattr(optimizer, "clips_per_record", False):
+            self._dp_steps += 1
+            if self._dp_steps > 1:
+                raise ConfigError("DPSGD", "optimizer.step()", "training_step stepped the DP-SGD optimizer more "
+                                  "than once on one batch, but the accountant counts one noisy step per sampled "
+                                  "batch", "step each optimizer at most once per training_step")
+        factor = self._lr_factor
+        saved = [g["lr"] for g in optimizer.param_groups] if factor != 1.0 else None
+        self._in_step = True
+        try:
+            if self._scaler is None:
+                def wrapped() -> Any:
+                    out = closure()
+                    self._after_closure(optimizer)
+                    if saved is not None:
+                        for g, lr in zip(optimizer.param_groups, saved):
+                            g["lr"] = lr * factor
+                    return out
+
+                out = optimizer.step(closure=wrapped, **kwargs)
+                if not self._automatic:  # automatic optimization counts in the loop (also when a step is skipped)
+                    self._shim.global_step += 1
+                return out
+            out = closure()
+            scaler = self._scaler
+            scaler.unscale_(optimizer)
+            self._after_closure(optimizer)
+            if not self._automatic or out is not None:
+                if saved is not None:
+                    for g, lr in zip(optimizer.param_groups, saved):
+                        g["lr"] = lr * factor
+                scaler.step(optimizer, **kwargs)
+                scaler.update()
+            if not self._automatic:
+                self._shim.global_step += 1
+            return out
+        finally:
+            self._in_step = False
+            if saved is not None:
+                for g, lr in zip(optimizer.param_groups, saved):
+                    g["lr"] = lr
+
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``manual_backward``: scale (16-mixed), ``on_before_backward``, ``backward``, ``on_after_backward``."""
+        m = self.inner
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        m.on_before_backward(loss)
+        m.backward(loss, *args, **kwargs)
+        m.on_after_backward()
+        return loss
+
+    def _manual_pre_hook(self, optimizer: torch.optim.Optimizer) -> Callable[..., None]:
+        """Plugins' step hooks for a raw optimizer stepped directly in manual optimization."""
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if not self._in_step:
+                self._after_closure(optimizer)
+
+        return hook
 
     def fit_client(
         self,
@@ -337,140 +800,203 @@ class FederatedLightningModule:
         lr_factor: float = 1.0,
         before_optimizer_step: StepHook | None = None,
         wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+        batches_per_round: int | None = None,
+        batches_per_epoch: int | None = None,
     ) -> ClientRun:
         """Train the module from its current parameters on one client's ``(epoch, batch_idx, batch)``
         stream. The caller loads the global model first and reads ``working`` afterwards.
-        ``wrap_optimizer`` replaces each fresh local optimizer (e.g. by a DP-SGD optimizer)."""
+
+        ``lr_factor`` multiplies the learning rate of every step (client lr decay); ``wrap_optimizer``
+        replaces each fresh local optimizer (e.g. by a DP-SGD optimizer). ``batches_per_round`` (the
+        client's local batches this round) and ``batches_per_epoch`` place the client's schedule: its
+        step-interval schedulers and ``self.global_step`` continue from ``round_idx`` times its
+        optimizer steps per round (see :mod:`dpfl_lightning.lightning_compat`)."""
         m = self.inner
         shim = self._shim
-        shim.current_epoch = round_idx
-        opts, scheds = self.make_optimizers(lr_factor)
+        automatic = self._automatic
+        k = self.loop.accumulate_grad_batches if automatic else 1
+        total = batches_per_round or 0
+        per_epoch = batches_per_epoch or total
+        steps_per_round = optimizer_steps_per_round(total, per_epoch, k) if automatic else total
+        self._set_client_shape(round_idx, steps_per_round, total)
+        shim.should_stop = False
+        opts, scheds = self.make_optimizers(steps_per_round, round_idx)
         if wrap_optimizer is not None:
             opts = [wrap_optimizer(o) for o in opts]
-        lr = float(opts[0].param_groups[0]["lr"])
+        lr = float(opts[0].param_groups[0]["lr"]) * lr_factor
+        step_scheds = [c for c in scheds if c.interval == "step" and not c.reduce_on_plateau] if automatic else []
+        shim.optimizers = opts
+        shim.lr_scheduler_configs = scheds
+        lopts = []
+        for o in opts:
+            lo = LightningOptimizer(o)
+            lo._strategy = shim.strategy
+            lopts.append(lo)
+        shim.strategy._lightning_optimizers = lopts
+        m._fabric_optimizers = lopts
+        self._before_step = before_optimizer_step
+        self._lr_factor = lr_factor
         handles = []
-        if not self._automatic:
-            m._fabric_optimizers = opts
-            for opt in opts:
-                handles.append(opt.register_step_pre_hook(_pre_hook(before_optimizer_step, m)))
+        if not automatic:
+            for o in opts:
+                if hasattr(o, "_optimizer_step_pre_hooks"):
+                    handles.append(o.register_step_pre_hook(self._manual_pre_hook(o)))
         steps = samples = 0
-        epoch_now = None
         transfer = self._transfer_hooks or self.device.type != "cpu"
         logged = self.logged
         ov = self._overridden
-        closure = _Closure(m, opts[0], before_optimizer_step, ov) if self._automatic else None
+        custom_sched = ov["lr_scheduler_step"]
+        closure = _Closure(self, opts[0], k) if automatic else None
+        context = self._forward_context
+        mixed = self._autocast is not None
+        shim.training = True
+        was_training = m.training
+        m.train()
         try:
+            m.on_train_epoch_start()
             for epoch, batch_idx, batch in batches:
-                if epoch != epoch_now:
-                    if epoch_now is not None and scheds:
-                        _step_schedulers(scheds, "epoch", epoch_now + 1)
-                    epoch_now = epoch
                 if transfer:
                     batch = self._transfer(batch)
                 n = batch_size_of(batch)
                 logged.current_batch_size = n
+                shim.is_last_batch = steps + 1 == total
                 if ov["on_train_batch_start"] and m.on_train_batch_start(batch, batch_idx) == -1:
                     break
                 if closure is not None:
-                    closure.batch, closure.batch_idx, closure.epoch = batch, batch_idx, epoch
-                    if ov["optimizer_step"]:
-                        m.optimizer_step(epoch, batch_idx, opts[0], closure)
+                    closure.batch, closure.batch_idx, closure.output = batch, batch_idx, None
+                    if k == 1:
+                        ends = True
                     else:
-                        opts[0].step(closure=closure)
+                        closure.zero = batch_idx % k == 0
+                        ends = (batch_idx + 1) % k == 0 or batch_idx + 1 == per_epoch or steps + 1 == total
+                    if ends:
+                        if ov["optimizer_step"]:
+                            m.optimizer_step(round_idx, batch_idx, lopts[0], closure)
+                        else:
+                            self._optimizer_step(opts[0], closure)
+                        shim.global_step += 1
+                        if step_scheds:
+                            g = shim.global_step
+                            for cfg in step_scheds:
+                                if g % cfg.frequency == 0:
+                                    _step_scheduler(m, cfg, None, custom_sched)
+                    else:
+                        closure()
                     out = closure.output
                 else:
-                    out = m.training_step(batch, batch_idx)
+                    self._dp_steps = 0
+                    if mixed:
+                        with context():
+                            out = m.training_step(batch, batch_idx)
+                    else:
+                        out = m.training_step(batch, batch_idx)
                 if ov["on_train_batch_end"]:
                     m.on_train_batch_end(out, batch, batch_idx)
                 steps += 1
                 samples += n
-                if scheds:
-                    _step_schedulers(scheds, "step", steps)
-            shim.global_step += steps
+                if shim.should_stop:  # the module ended this client's local training
+                    break
+            m.on_train_epoch_end()
         finally:
             for h in handles:
                 h.remove()
+            shim.training = False
+            shim.is_last_batch = False
+            shim.optimizers = []
+            shim.lr_scheduler_configs = []
+            shim.strategy._lightning_optimizers = []
+            m._fabric_optimizers = []
+            self._before_step = None
+            self._lr_factor = 1.0
+            m.train(was_training)
         return ClientRun(steps=steps, samples=samples, lr=lr)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], stage: str = "validation") -> dict[str, tuple[float, float, str]]:
-        """Run ``validation_step`` (or ``test_step``) over ``batches`` at the current parameters;
-        returns what ``self.log`` recorded, as sums for merging."""
+        """Run ``validation_step`` (or ``test_step``) over ``batches`` at the current parameters, with
+        Lightning's evaluation hooks around it; returns what ``self.log`` recorded, as sums for merging."""
         m = self.inner
+        shim = self._shim
         step = m.validation_step if stage == "validation" else m.test_step
+        flag = "validating" if stage == "validation" else "testing"
         was_training = m.training
-        m.eval()
-        getattr(m, f"on_{stage}_epoch_start")()
-        self.logged.reset()
-        for batch_idx, batch in enumerate(batches):
-            batch = self._transfer(batch)
-            self.logged.current_batch_size = batch_size_of(batch)
-            getattr(m, f"on_{stage}_batch_start")(batch, batch_idx)
-            out = step(batch, batch_idx)
-            getattr(m, f"on_{stage}_batch_end")(out, batch, batch_idx)
-        getattr(m, f"on_{stage}_epoch_end")()
-        m.train(was_training)
+        setattr(shim, flag, True)
+        context = self._forward_context
+        try:
+            if is_overridden(m, f"on_{stage}_model_eval"):
+                getattr(m, f"on_{stage}_model_eval")()
+            else:
+                m.eval()
+            self.logged.reset()
+            getattr(m, f"on_{stage}_start")()
+            getattr(m, f"on_{stage}_epoch_start")()
+            for batch_idx, batch in enumerate(batches):
+                batch = self._transfer(batch)
+                self.logged.current_batch_size = batch_size_of(batch)
+                getattr(m, f"on_{stage}_batch_start")(batch, batch_idx)
+                with context():
+                    out = step(batch, batch_idx)
+                getattr(m, f"on_{stage}_batch_end")(out, batch, batch_idx)
+            getattr(m, f"on_{stage}_epoch_end")()
+            getattr(m, f"on_{stage}_end")()
+        finally:
+            setattr(shim, flag, False)
+            if is_overridden(m, f"on_{stage}_model_train"):
+                getattr(m, f"on_{stage}_model_train")()
+            else:
+                m.train(was_training)
         return self.logged.results()
 
 
 class _Closure:
-    """``training_step`` + zero-grad + backward, then the before-optimizer-step hooks (one object
-    per client; the loop sets ``batch``, ``batch_idx`` and ``epoch`` before every step).
+    """``training_step`` + zero-grad + backward (one object per client; the loop sets ``batch`` and
+    ``batch_idx`` before every step, and ``zero`` under gradient accumulation).
 
     Hooks the module does not override are Lightning's no-ops, and Lightning's default
     ``optimizer_zero_grad`` / ``backward`` are ``optimizer.zero_grad()`` / ``loss.backward()``:
     those are called directly, which saves ~10 us per step on small models."""
 
-    def __init__(self, m: nn.Module, opt: torch.optim.Optimizer, before_step: StepHook | None,
-                 overridden: dict[str, bool]) -> None:
-        self.m, self.opt = m, opt
+    def __init__(self, fm: FederatedLightningModule, opt: torch.optim.Optimizer, accumulate: int) -> None:
+        self.fm = fm
+        self.m, self.opt = fm.inner, opt
         self.batch: Batch = None
-        self.batch_idx = self.epoch = 0
-        self.before_step = before_step
+        self.batch_idx = 0
+        self.round_idx = fm._shim.current_epoch
+        self.zero = True
+        self.accumulate = accumulate
         self.output: Any = None
-        self.ov = overridden
+        self.ov = fm._overridden
+        self.scaler = fm._scaler
+        self.mixed = fm._autocast is not None
 
     def __call__(self) -> torch.Tensor | None:
         m, opt, ov = self.m, self.opt, self.ov
         with torch.enable_grad():
-            out = m.training_step(self.batch, self.batch_idx)
-            self.output = out
-            loss = out["loss"] if isinstance(out, dict) else out
-            if ov["on_before_zero_grad"]:
-                m.on_before_zero_grad(opt)
-            if ov["optimizer_zero_grad"]:
-                m.optimizer_zero_grad(self.epoch, self.batch_idx, opt)
+            if self.mixed:
+                with self.fm._forward_context():
+                    out = m.training_step(self.batch, self.batch_idx)
             else:
-                opt.zero_grad()
-            if loss is not None:
-                if ov["on_before_backward"]:
-                    m.on_before_backward(loss)
-                if ov["backward"]:
-                    m.backward(loss)
+                out = m.training_step(self.batch, self.batch_idx)
+            self.output = out
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            if loss is not None and self.accumulate > 1:
+                loss = loss / self.accumulate
+            if self.zero:
+                if ov["on_before_zero_grad"]:
+                    m.on_before_zero_grad(opt)
+                if ov["optimizer_zero_grad"]:
+                    m.optimizer_zero_grad(self.round_idx, self.batch_idx, opt)
                 else:
-                    loss.backward()
+                    opt.zero_grad()
+            if loss is not None:
+                scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+                if ov["on_before_backward"]:
+                    m.on_before_backward(scaled)
+                if ov["backward"]:
+                    m.backward(scaled)
+                else:
+                    scaled.backward()
                 if ov["on_after_backward"]:
                     m.on_after_backward()
-        if self.before_step is not None:
-            self.before_step(opt)
-        if ov["on_before_optimizer_step"]:
-            m.on_before_optimizer_step(opt)
         return loss
-
-
-def _pre_hook(before_step: StepHook | None, m: nn.Module) -> Callable[..., None]:
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if before_step is not None:
-            before_step(opt)
-        m.on_before_optimizer_step(opt)
-
-    return hook
-
-
-def _step_schedulers(scheds: list[_Scheduler], interval: str, count: int) -> None:
-    """Step the schedulers of ``interval`` after the ``count``-th step or epoch (1-based)."""
-    for s in scheds:
-        if s.interval == interval and count % max(s.frequency, 1) == 0:
-            s.scheduler.step()
-

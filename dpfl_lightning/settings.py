@@ -4,11 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpfl_lightning.errors import require
+from dpfl_lightning.errors import ConfigError, require
 
 WEIGHTINGS = ("uniform", "samples")
 NONFINITE_POLICIES = ("raise", "skip")
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+CLIP_ALGORITHMS = ("norm", "value")
+# precision names lightning.Trainer accepts -> the one they mean here
+PRECISION_ALIASES = {"32": "32-true", "32-true": "32-true", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
+                     "16-mixed": "16-mixed", "16": "16-mixed"}
+
+
+def normalize_precision(value: object) -> str:
+    """``precision`` as Lightning names it (``32-true``, ``bf16-mixed``, ``16-mixed``); other values are
+    refused with the reason."""
+    key = str(value).strip()
+    if key in PRECISION_ALIASES:
+        return PRECISION_ALIASES[key]
+    if key in ("64", "64-true", "16-true", "bf16-true") or key.startswith("transformer-engine"):
+        raise ConfigError("trainer.precision", value, "the parameters and the global model stay one fp32 buffer "
+                          "(updates are summed exactly in fp32), so only mixed precision (autocast) is possible",
+                          "use '32', 'bf16-mixed' or '16-mixed' (CUDA)")
+    raise ConfigError("trainer.precision", value, "unknown precision", "use '32', 'bf16-mixed' or '16-mixed' (CUDA)")
 
 
 def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:
@@ -40,6 +57,19 @@ def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:
             "set num_threads >= 1 or leave it unset")
     require(s["checkpoint_every"] is None or s["checkpoint_every"] >= 1, "trainer.checkpoint_every",
             s["checkpoint_every"], "must be >= 1", "set checkpoint_every >= 1 or leave it unset")
+    clip = s.get("gradient_clip_val")
+    require(clip is None or (isinstance(clip, (int, float)) and clip >= 0), "trainer.gradient_clip_val", clip,
+            "must be a number >= 0 or None", "set the local gradient clipping bound, e.g. 1.0 (None: no clipping)")
+    algo = s.get("gradient_clip_algorithm")
+    require(algo is None or str(algo).lower() in CLIP_ALGORITHMS, "trainer.gradient_clip_algorithm", algo,
+            "unknown gradient clipping algorithm", "use 'norm' or 'value'")
+    if algo is not None:
+        s["gradient_clip_algorithm"] = str(algo).lower()
+    acc = s.get("accumulate_grad_batches", 1)
+    require(isinstance(acc, int) and acc >= 1, "trainer.accumulate_grad_batches", acc, "must be an integer >= 1",
+            "set accumulate_grad_batches >= 1")
+    if "precision" in s:
+        s["precision"] = normalize_precision(s["precision"])
     if s["sampling"] is None:
         if s["clients_per_round"] is None and s["sampling_rate"] is None:
             s["sampling"] = "full"

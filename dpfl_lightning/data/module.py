@@ -14,12 +14,13 @@ Shuffling uses the generator the trainer passes in, keyed by (seed, round, clien
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
-from torch.utils.data import default_collate
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler,
+                              Subset, TensorDataset, default_collate, default_convert)
 
 from dpfl_lightning.data.partition import PARTITIONS, partition
 from dpfl_lightning.errors import ConfigError, require
@@ -37,7 +38,44 @@ def labels_of(dataset: Dataset) -> np.ndarray:
             return np.asarray(getattr(dataset, attr))
     if isinstance(dataset, Subset):
         return labels_of(dataset.dataset)[np.asarray(dataset.indices)]
-    return np.asarray([int(dataset[i][1]) for i in range(len(dataset))])
+    return np.asarray([_label_of_item(dataset[i]) for i in range(len(dataset))])
+
+
+LABEL_KEYS = ("label", "labels", "y", "target", "targets")
+
+
+def _label_of_item(item: Any) -> int:
+    """The label of one record: the second element of a tuple, or a dict's ``label``-like key."""
+    if isinstance(item, Mapping):
+        key = next((k for k in LABEL_KEYS if k in item), None)
+        if key is None:
+            raise ConfigError("data.partition", sorted(item), "a label-aware partition needs each record's label, and "
+                              f"these dict records have none of the keys {LABEL_KEYS}",
+                              "use partition='iid', or add a 'label' key to the records")
+        return int(item[key])
+    if isinstance(item, (tuple, list)) and len(item) >= 2:
+        return int(item[1])
+    raise ConfigError("data.partition", type(item).__name__, "a label-aware partition needs each record's label, and "
+                      "the records are neither (input, label) tuples nor dicts with a 'label' key",
+                      "use partition='iid', or return (input, label) records")
+
+
+def _is_default_collate(fn: Any) -> bool:
+    return fn is None or fn is default_collate or fn is default_convert
+
+
+def _single_loader(loader: Any, getter: str) -> DataLoader:
+    if not isinstance(loader, DataLoader):
+        raise ConfigError(f"datamodule.{getter}", type(loader).__name__, "must return one torch DataLoader (several "
+                          "loaders, or other iterables, are not supported)", "return a single DataLoader")
+    return loader
+
+
+def _plain_loader(loader: DataLoader) -> bool:
+    """A loader whose batches are consecutive slices of a TensorDataset (served from memory instead)."""
+    return (isinstance(loader.dataset, TensorDataset) and _is_default_collate(loader.collate_fn)
+            and type(loader.sampler) is SequentialSampler and type(loader.batch_sampler) is BatchSampler
+            and not loader.drop_last and bool(loader.batch_size))
 
 
 def _materialize(dataset: Dataset, chunk: int = 4096) -> tuple[torch.Tensor, ...]:
@@ -60,8 +98,10 @@ class FederatedDataModule:
     """A training set split over ``num_clients`` clients, plus a global test set.
 
     Args:
-        datamodule: a ``LightningDataModule``; its train dataset is partitioned and its test (else
-            validation) dataset is the global test set.
+        datamodule: a ``LightningDataModule``; its train dataset is partitioned (with its loader's
+            ``collate_fn``), rounds are validated on its ``val_dataloader`` and the final test runs on
+            its ``test_dataloader`` (each falls back to the other). An ``IterableDataset`` training
+            set is refused.
         num_clients: ``M``, the number of (virtual) clients.
         partition: ``iid``, ``dirichlet`` (``alpha``), ``shards`` (``shards_per_client``: at most that
             many classes per client) or ``label_sorted`` (``iid_fraction``); see
@@ -99,6 +139,11 @@ class FederatedDataModule:
         self._given: tuple[Dataset, Dataset | None, list[torch.Tensor] | None] | None = None
         self._ready = False
         self.device = torch.device("cpu")
+        self._collate: Callable[[list[Any]], Batch] = default_collate
+        self._loaders: dict[str, DataLoader | None] = {}
+        #: what the LightningDataModule's train_dataloader asked for that clients do not use
+        #: (``batch_size``, a custom ``sampler``); the trainer warns when it differs from its own
+        self.train_loader_info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -133,43 +178,73 @@ class FederatedDataModule:
         if self.datamodule is None:
             raise ConfigError("data", None, "no data given", "pass a LightningDataModule, datasets or tensors, "
                               "or use a built-in source such as dpfl_lightning.data.Digits")
+        from dpfl_lightning.module import is_overridden
+
         dm = self.datamodule
         dm.prepare_data()
         dm.setup("fit")
-        train = dm.train_dataloader().dataset
-        test = None
-        for stage, getter in (("test", "test_dataloader"), ("validate", "val_dataloader")):
-            try:
-                dm.setup(stage)
-                test = getattr(dm, getter)().dataset
-                break
-            except Exception:  # the datamodule does not define this split
-                continue
-        return train, test, None
+        train_loader = _single_loader(dm.train_dataloader(), "train_dataloader")
+        val_loader = test_loader = None
+        if is_overridden(dm, "val_dataloader", "LightningDataModule"):
+            val_loader = _single_loader(dm.val_dataloader(), "val_dataloader")
+        if is_overridden(dm, "test_dataloader", "LightningDataModule"):
+            dm.setup("test")
+            test_loader = _single_loader(dm.test_dataloader(), "test_dataloader")
+        self._loaders = {"train": train_loader, "val": val_loader, "test": test_loader}
+        if not _is_default_collate(train_loader.collate_fn):
+            self._collate = train_loader.collate_fn
+        self.train_loader_info = {"batch_size": train_loader.batch_size}
+        custom = train_loader.batch_sampler if type(train_loader.batch_sampler) is not BatchSampler else train_loader.sampler
+        if type(custom) not in (RandomSampler, SequentialSampler, BatchSampler, type(None)):
+            self.train_loader_info["sampler"] = type(custom).__name__
+        test = (test_loader or val_loader).dataset if (test_loader or val_loader) is not None else None
+        return train_loader.dataset, test, None
 
     def setup(self) -> None:
         """Load and split the data (idempotent). Every rank computes the same split."""
         if self._ready:
             return
         train, test, natural = self.load()
+        if isinstance(train, IterableDataset):
+            setting, value = self._source_setting()
+            raise ConfigError(setting, value, f"the training set is an IterableDataset ({type(train).__name__}): it has "
+                              "no len() and no index, so its records cannot be split over clients",
+                              "return a map-style Dataset (e.g. a TensorDataset of the records) from train_dataloader")
         self._check_label_range(train, test)
         if natural is not None:
             indices = [torch.as_tensor(ix, dtype=torch.int64) for ix in natural]
             self._num_clients = len(indices)
         else:
-            indices = partition(labels_of(train), self._num_clients, self.partition, self.seed, alpha=self.alpha,
+            # iid splits by position only: no labels needed (records may be dicts, sequences, ...)
+            labels = np.zeros(len(train), dtype=np.int64) if self.partition == "iid" else labels_of(train)
+            indices = partition(labels, self._num_clients, self.partition, self.seed, alpha=self.alpha,
                                 shards_per_client=self.shards_per_client, iid_fraction=self.iid_fraction,
                                 min_samples=self.min_samples_per_client)
         empty = [c for c, ix in enumerate(indices) if len(ix) == 0]
         require(not empty, "data.num_clients", self._num_clients, f"client(s) {empty[:5]} have no training data",
                 "lower num_clients or change the partition")
         self._train_idx, self._test_idx = self._hold_out(indices)
-        in_memory = isinstance(train, TensorDataset) if self.in_memory is None else self.in_memory
+        custom_collate = self._collate is not default_collate
+        in_memory = (isinstance(train, TensorDataset) and not custom_collate) if self.in_memory is None else self.in_memory
+        if in_memory and not isinstance(train, TensorDataset):
+            first = train[0]
+            setting, value = self._source_setting()
+            require(not custom_collate and not isinstance(first, Mapping), setting, value,
+                    "in_memory=True stacks (input, label) records into tensors, which would bypass the DataModule's "
+                    "collate_fn or change dict records into tuples", "leave in_memory unset (or False)")
         self._train_ds, self._test_ds = train, test
         self._train_tensors = (tuple(train.tensors) if isinstance(train, TensorDataset) else _materialize(train)) if in_memory else None
         self._test_tensors = None
-        if in_memory and test is not None:
+        test_loader = self._loaders.get("test") or (self._loaders.get("val") if test is not None else None)
+        if test_loader is not None and not _plain_loader(test_loader):
+            pass  # evaluated through the DataModule's own loader
+        elif in_memory and test is not None and not isinstance(test, IterableDataset):
             self._test_tensors = tuple(test.tensors) if isinstance(test, TensorDataset) else _materialize(test)
+        elif test_loader is not None:
+            self._test_tensors = tuple(test_loader.dataset.tensors)
+        val_loader = self._loaders.get("val")
+        self._val_ds = val_loader.dataset if val_loader is not None else None
+        self._val_tensors = tuple(val_loader.dataset.tensors) if val_loader is not None and _plain_loader(val_loader) else None
         self._ready = True
 
     # ------------------------------------------------------------------ label range
@@ -228,6 +303,8 @@ class FederatedDataModule:
             self._test_idx = [ix.to(device) for ix in self._test_idx]
         if self._test_tensors is not None:
             self._test_tensors = tuple(t.to(device) for t in self._test_tensors)
+        if self._val_tensors is not None:
+            self._val_tensors = tuple(t.to(device) for t in self._val_tensors)
         return self
 
     # ------------------------------------------------------------------ queries
@@ -245,6 +322,11 @@ class FederatedDataModule:
         self.setup()
         return self._train_tensors
 
+    def client_indices(self, client: int) -> torch.Tensor:
+        """The indices of the client's training records in the training set (on the data's device)."""
+        self.setup()
+        return self._train_idx[client]
+
     def client_num_samples(self, client: int) -> int:
         self.setup()
         return int(self._train_idx[client].numel())
@@ -253,6 +335,13 @@ class FederatedDataModule:
     def has_test_set(self) -> bool:
         self.setup()
         return self._test_ds is not None
+
+    @property
+    def has_val_set(self) -> bool:
+        """Whether there is a set to validate on every round: the DataModule's validation set, else the
+        test set."""
+        self.setup()
+        return self._val_ds is not None or self._test_ds is not None
 
     @property
     def has_client_test_sets(self) -> bool:
@@ -306,7 +395,8 @@ class FederatedDataModule:
                     if steps is not None and step >= steps:
                         return
             else:
-                loader = DataLoader(Subset(self._train_ds, idx.tolist()), batch_size=bs, shuffle=shuffle, generator=generator)
+                loader = DataLoader(Subset(self._train_ds, idx.tolist()), batch_size=bs, shuffle=shuffle,
+                                    generator=generator, collate_fn=self._collate)
                 for b, batch in enumerate(loader):
                     yield epoch, b, batch
                     step += 1
@@ -331,14 +421,11 @@ class FederatedDataModule:
                 batch = tuple(t[chosen] for t in self._train_tensors)
             else:
                 items = [self._train_ds[int(i)] for i in chosen.tolist()]
-                batch = default_collate(items) if items else self._empty_batch()
+                batch = self._collate(items) if items else self._empty_batch()
             yield step // per_epoch, step % per_epoch, batch
 
     def _empty_batch(self) -> Batch:
-        first = default_collate([self._train_ds[0]])
-        if isinstance(first, torch.Tensor):
-            return first[:0]
-        return type(first)(t[:0] for t in first)
+        return _empty_like(self._collate([self._train_ds[0]]))
 
     def _sequential(self, tensors: tuple[torch.Tensor, ...] | None, dataset: Dataset | None,
                     idx: torch.Tensor | None, batch_size: int | None) -> Iterator[Batch]:
@@ -353,15 +440,43 @@ class FederatedDataModule:
                     yield tuple(t[sel] for t in tensors)
         elif dataset is not None:
             ds = dataset if idx is None else Subset(dataset, idx.tolist())
-            yield from DataLoader(ds, batch_size=bs, shuffle=False)
+            yield from DataLoader(ds, batch_size=bs, shuffle=False, collate_fn=self._collate)
 
     def test_batches(self, batch_size: int | None = None) -> Iterator[Batch]:
-        """The global test set, in order."""
+        """The global test set, in order (a DataModule's ``test_dataloader``, else its validation set)."""
         self.setup()
+        loader = self._loaders.get("test") or self._loaders.get("val")
+        if loader is not None:
+            return self._from_loader(loader, self._test_tensors)
         return self._sequential(self._test_tensors, self._test_ds, None, batch_size)
+
+    def val_batches(self, batch_size: int | None = None) -> Iterator[Batch]:
+        """The set validated on every round: a DataModule's ``val_dataloader`` (its batch size,
+        ``collate_fn`` and sampler), else the test set."""
+        self.setup()
+        loader = self._loaders.get("val")
+        if loader is None:
+            return self.test_batches(batch_size)
+        return self._from_loader(loader, self._val_tensors)
+
+    def _from_loader(self, loader: DataLoader, tensors: tuple[torch.Tensor, ...] | None) -> Iterator[Batch]:
+        if tensors is not None:  # the same batches, served from memory
+            return self._sequential(tensors, None, None, loader.batch_size)
+        return iter(loader)
 
     def client_eval_batches(self, client: int, batch_size: int | None = None) -> Iterator[Batch]:
         """The client's held-out data (``client_test_fraction``), else its training data."""
         self.setup()
         idx = self._test_idx[client] if self.client_test_fraction > 0 else self._train_idx[client]
         return self._sequential(self._train_tensors, self._train_ds, idx, batch_size)
+
+
+def _empty_like(batch: Batch) -> Batch:
+    """A batch of the same structure with no records (an empty Poisson batch)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, Mapping):
+        return {k: _empty_like(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch

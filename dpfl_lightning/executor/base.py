@@ -10,6 +10,7 @@ aggregate) one client while the next one trains. Executors never see plugins or 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -48,6 +49,13 @@ class RoundWork:
         stream = self.random.stream(plan.round_idx, client, purpose)
         return self.data.client_batches(client, plan.batch_size, epochs=plan.local_epochs, steps=plan.local_steps,
                                         stream=stream, sampling=plan.batch_sampling)
+
+    def local_batches(self, client: int) -> tuple[int, int]:
+        """``(batches this round, batches per local epoch)`` of ``client`` under the plan: where its
+        learning-rate schedule and ``global_step`` stand (see :mod:`dpfl_lightning.lightning_compat`)."""
+        n = self.data.client_num_samples(client)
+        bs = n if not self.plan.batch_size else min(int(self.plan.batch_size), n)
+        return self.plan.steps_for(n), math.ceil(n / bs)
 
 
 class Executor:

@@ -21,7 +21,9 @@ class SequentialExecutor(Executor):
             module.load_global()
             ctx = work.open_client(client)
             work.random.seed_torch(plan.round_idx, client, module.device)
+            per_round, per_epoch = work.local_batches(client)
             run = module.fit_client(work.batches(client), plan.round_idx, plan.lr_factor, work.step_hook(ctx),
-                                    work.optimizer_wrapper(ctx))
+                                    work.optimizer_wrapper(ctx), batches_per_round=per_round,
+                                    batches_per_epoch=per_epoch)
             torch.sub(module.working, module.global_params, out=work.out(k))
             yield k, ctx, run

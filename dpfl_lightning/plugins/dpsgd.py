@@ -41,7 +41,20 @@ from dpfl_lightning.privacy.mechanisms import Mechanism, RecordProfile
 
 
 def _unsupported_layers(model: torch.nn.Module) -> list[str]:
-    return [str(e) for e in ModuleValidator.validate(model, strict=False)]
+    return list(dict.fromkeys(str(e) for e in ModuleValidator.validate(model, strict=False)))
+
+
+def _transplant(model: torch.nn.Module, fixed: torch.nn.Module) -> None:
+    """Put the layers ``ModuleValidator.fix`` replaced in its copy ``fixed`` into ``model`` itself."""
+    old = {n: type(m) for n, m in model.named_modules()}
+    done: list[str] = []
+    for name, sub in fixed.named_modules():
+        if not name or name not in old or old[name] is type(sub) or any(name.startswith(d + ".") for d in done):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, sub)
+        done.append(name)
 
 
 def _replacements(before: torch.nn.Module, after: torch.nn.Module) -> list[str]:
@@ -53,11 +66,40 @@ def _replacements(before: torch.nn.Module, after: torch.nn.Module) -> list[str]:
 class KeyedDPOptimizer(DPOptimizer):
     """Opacus's ``DPOptimizer`` whose noise comes from one of the run's streams (keyed by
     (seed, round, client), or the CSPRNG in secure mode) instead of a torch generator, whose
-    ``manual_seed`` would use only 32 bits."""
+    ``manual_seed`` would use only 32 bits.
+
+    A step for which no backward ran (``training_step`` returned ``None``) is still a noisy step: the
+    clipped sum is zero and the full noise is added, so every sampled batch is one release, as the
+    accountant counts (like an empty Poisson batch)."""
+
+    clips_per_record = True  # batch-gradient clipping has no effect on its steps
 
     def __init__(self, *args: Any, noise_stream: rng.Stream, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.noise_stream = noise_stream
+
+    @property
+    def accumulated_iterations(self) -> int:
+        if all(getattr(p, "grad_sample", None) is None for p in self.params):
+            return 1  # a step without per-record gradients (see the class docstring)
+        return super().accumulated_iterations
+
+    def pre_step(self, closure: Any = None) -> bool:
+        params = self.params
+        if params and all(getattr(p, "grad_sample", None) is None for p in params):
+            for p in params:  # no per-record gradients this step: their clipped sum is zero
+                if p.summed_grad is None:
+                    p.summed_grad = torch.zeros_like(p)
+            if self._check_skip_next_step():
+                self._is_last_step_skipped = True
+                return False
+            self.add_noise()
+            self.scale_grad()
+            if self.step_hook:
+                self.step_hook(self)
+            self._is_last_step_skipped = False
+            return True
+        return super().pre_step(closure)
 
     def add_noise(self) -> None:
         std = self.noise_multiplier * self.max_grad_norm
@@ -82,7 +124,9 @@ class DPSGD(FederatedCallback):
         sampling: ``poisson`` (each record in a batch with probability ``B/n``; Opacus's default)
             or ``fixed`` (``B`` records without replacement per batch).
         fix_model: replace layers Opacus cannot handle (BatchNorm -> GroupNorm, ...) with
-            ``opacus.validators.ModuleValidator.fix`` instead of failing; the replacements are listed.
+            ``opacus.validators.ModuleValidator.fix`` instead of failing. The layers are replaced in
+            the module you passed (in place: it is the module that trains and holds the result), and
+            a warning lists them.
         loss_reduction: how the module's loss reduces over a batch (``mean`` or ``sum``).
         accountant: for calibration (``rdp``, ``pld``, ``prv``).
         allow_infinite_epsilon: accept ``noise_multiplier=0`` (clipping only, no guarantee).
@@ -141,9 +185,14 @@ class DPSGD(FederatedCallback):
         if left:
             raise ConfigError("DPSGD.fix_model", True, f"layers remain that Opacus cannot handle: {'; '.join(left)}",
                               "change the model")
-        if ctx.is_global_zero and ctx.verbose:
-            print(f"DPSGD(fix_model=True) replaced: {', '.join(self.replaced)}", flush=True)
-        return fixed
+        _transplant(model, fixed)
+        if ctx.is_global_zero:
+            message = (f"DPSGD(fix_model=True) changed {type(model).__name__} in place: {', '.join(self.replaced)} "
+                       "(the module you passed now has these layers and is the one trained)")
+            warnings.warn(message, UserWarning, stacklevel=2)
+            if ctx.verbose:
+                print(message, flush=True)
+        return model
 
     def setup(self, *, ctx) -> None:
         require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
@@ -155,10 +204,13 @@ class DPSGD(FederatedCallback):
                 self.delta = ctx.privacy.default_delta("record")
             record = lambda z: guarantees([self._mechanism(z)], ctx.sampler.accounted())[0]  # noqa: E731
             self.noise_multiplier = ctx.privacy.calibrate(record, self.target_epsilon, self.delta, self.accountant)
-        if ctx.model is not None:
+
+    def on_fit_start(self, *, ctx) -> None:
+        if ctx.model is not None and self._grad_sample_module is None:
             # Opacus's full backward hooks fire on outputs when inputs need no gradient: expected here.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            # Hooks on the layers: the module's own training_step computes per-record gradients.
+            # Hooks on the layers: the module's own training_step computes per-record gradients. Set
+            # here, not in setup, so that a run failing during set-up leaves no hooks on the model.
             self._grad_sample_module = GradSampleModule(ctx.model, strict=False, loss_reduction=self.loss_reduction)
 
     def _client_profiles(self, ctx) -> tuple[RecordProfile, ...]:
@@ -186,8 +238,10 @@ class DPSGD(FederatedCallback):
         (say, a temperature multiplied in ``training_step``) would silently get noise only."""
         if self._coverage_checked:
             return
-        self._coverage_checked = True
         params = [(n, p) for n, p in client.model.named_parameters() if p.requires_grad]
+        if all(p.grad is None and getattr(p, "grad_sample", None) is None for _, p in params):
+            return  # no backward this step (training_step returned None): check at the next one
+        self._coverage_checked = True
         scale = max((float(p.grad.abs().max()) for _, p in params if p.grad is not None and p.grad.numel()), default=0.0)
         missing = []
         for name, p in params:

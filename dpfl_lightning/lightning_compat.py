@@ -1,0 +1,371 @@
+"""Lightning semantics of a federated run: what an ordinary LightningModule sees, and what its
+Lightning notions mean when :class:`~dpfl_lightning.FederatedTrainer` drives it as many clients.
+
+A module runs unchanged, or is refused at set-up with one line naming the setting and the fix
+(:class:`~dpfl_lightning.errors.ConfigError`); nothing below silently behaves otherwise.
+
+**Epochs, steps and rounds.** One round is one epoch of the federated run.
+
+- ``self.current_epoch`` is the round (0-based), in every client and in evaluation;
+  ``self.trainer.max_epochs`` is ``rounds``.
+- A client's local work in a round (``local_epochs`` passes over its data, or ``local_steps``
+  batches) is its part of that epoch: ``on_train_epoch_start`` / ``on_train_epoch_end`` run once per
+  client per round, around all of its local epochs, so state a module keeps for an epoch (the LSTM
+  demo's hidden state, outputs collected for an epoch-end metric) never passes from one client to
+  the next. ``self.trainer.num_training_batches`` is the client's batches this round.
+- ``S``, a client's optimizer steps per round: ``ceil(batches per local epoch / accumulate_grad_batches)``
+  per local epoch (Lightning also steps on the last batch of an epoch), i.e. its batches per round
+  without accumulation; in manual optimization ``S`` is its batches per round.
+- ``self.global_step`` counts the client's optimizer steps as if it had taken part in every round:
+  it is ``round * S`` when the client starts and grows by one per local optimizer step (manual
+  optimization: per ``optimizer.step()``, of any optimizer).
+- ``self.trainer.estimated_stepping_batches`` is ``rounds * S``: the steps one client takes over the
+  run (so ``OneCycleLR(total_steps=self.trainer.estimated_stepping_batches)`` ends with the run).
+  Under ``local_epochs``, clients of different sizes have different ``S``.
+
+**Learning-rate schedulers.** ``configure_optimizers`` runs for every client in every round (fresh
+optimizers: no optimizer state outlives a client's round). Its schedulers are then placed where a
+single Lightning run whose every epoch had ``S`` optimizer steps would have them at the start of
+round ``r``, exactly (the scheduler objects are stepped on a copy, with no data):
+
+- ``interval="epoch"`` (``frequency=f``): stepped ``floor(r / f)`` times -- once per round, for every
+  client alike; it never steps inside a client.
+- ``interval="step"`` (``frequency=f``): stepped ``floor(r * S / f)`` times, then after each local
+  optimizer step whose ``global_step`` is a multiple of ``f``.
+- ``ReduceLROnPlateau`` (its ``monitor`` is required): the server steps it once per round with the
+  monitored value of the round's *released* row (the metrics the run logs), after the epoch-interval
+  schedulers; round ``r``'s value sets round ``r+1``'s learning rate. A round whose row lacks the
+  metric because nothing was evaluated (``eval_every``) does not step it; a metric missing from a
+  round that evaluated -- e.g. a training loss a DP run withholds -- stops the run with the reason
+  (``strict=False``: a warning, and the step is skipped).
+- The module's ``lr_scheduler_step`` override is used for every step, with ``self.current_epoch``
+  and ``self.global_step`` set to the position being stepped.
+- ``client_lr_decay`` multiplies the learning rate of every local step (scheduled lr x decay**round);
+  ``param_groups`` show the scheduled lr.
+- In manual optimization the module steps its schedulers itself; those steps last for that
+  client's round only. Each client starts where the scheduler's declared ``interval`` places it
+  (as above, with ``S`` = batches per round).
+
+Every rank computes these positions from the round and the released rows, so results do not
+depend on the number of ranks, and a resumed run continues the same sequence.
+
+**The Trainer API inside the module.** ``self.trainer`` is a stand-in for ``lightning.Trainer``:
+``current_epoch``, ``global_step``, ``estimated_stepping_batches``, ``max_epochs``,
+``num_training_batches``, ``accumulate_grad_batches``, ``gradient_clip_val`` /
+``gradient_clip_algorithm``, ``precision``, ``optimizers`` (the client's, DP-SGD-wrapped where DP-SGD
+runs), ``lr_scheduler_configs``, ``model`` / ``lightning_module`` (the module), ``datamodule`` (the
+LightningDataModule, if the data came from one), ``callback_metrics`` / ``logged_metrics`` (the
+previous round's released row), ``is_last_batch``, ``training`` / ``validating`` / ``testing``,
+``global_rank`` / ``world_size`` / ``is_global_zero``, ``log_dir``, ``strategy`` and
+``precision_plugin`` (what Lightning's own methods call). Through them ``self.optimizers()``
+(``LightningOptimizer`` objects, in automatic and manual optimization), ``self.lr_schedulers()``,
+``self.manual_backward``, ``self.clip_gradients``, ``self.toggle_optimizer`` /
+``self.untoggle_optimizer`` / ``toggled_optimizer`` and ``self.print`` behave as under Lightning.
+Setting ``self.trainer.should_stop = True`` inside a client ends that client's local training (to
+stop the run on a metric, use ``EarlyStopping``). ``self.logger`` is ``None``: what the module
+reports goes through ``self.log``, and so through the run's release list (a logger inside a client
+would write un-noised client statistics past it). Anything else raises an ``AttributeError`` naming it.
+
+**Hooks.** Per run, in Lightning's order: ``setup("fit")`` and ``configure_model()`` before the
+parameters are laid out (layers they create are trained and federated), ``configure_optimizers``
+(checked once), ``on_fit_start``, ``on_train_start``; after the last round ``on_train_end``,
+``on_fit_end``; ``teardown("fit")`` always, also when set-up or training fails. Per client:
+``on_train_epoch_start``, the per-batch hooks (see :mod:`dpfl_lightning.module`),
+``on_train_epoch_end``. Server evaluation: ``on_validation_model_eval``, ``on_validation_start``,
+``on_validation_epoch_start``, ``validation_step`` and its batch hooks, ``on_validation_epoch_end``,
+``on_validation_end``, ``on_validation_model_train``; the final test the same with ``test``.
+After ``fit`` (and after a failed one) the module is an ordinary LightningModule again: its own
+parameter storage holding the final global model, no trainer attached, Lightning's ``self.log``;
+``lightning.Trainer`` can fit and test it.
+
+**Trainer settings.**
+
+- ``gradient_clip_val`` / ``gradient_clip_algorithm``: clipping of each client's local gradient at
+  every local optimizer step, after ``on_before_optimizer_step``, through the module's
+  ``configure_gradient_clipping`` (default: ``self.clip_gradients``). It is not DP clipping (that is
+  ``UpdateClipping`` on updates, or ``DPSGD`` per record), and it is refused with ``DPSGD``, which
+  clips every record's gradient and ignores the batch gradient. Refused with manual optimization,
+  as Lightning does (call ``self.clip_gradients`` in ``training_step``).
+- ``accumulate_grad_batches=k``: the optimizer steps every ``k`` batches and at the end of each local
+  epoch (loss divided by ``k``), as Lightning does. Refused with manual optimization and with
+  ``DPSGD`` (its accountant counts one noisy step per sampled batch: use a larger batch size).
+- ``precision``: ``32`` (default); ``bf16-mixed`` (CPU and CUDA) and ``16-mixed`` (CUDA only, with a
+  gradient scaler per rank, so its loss scale depends on which clients a rank trained) run
+  ``training_step``, ``validation_step`` and ``test_step`` under autocast; parameters, updates and
+  the global model stay fp32. ``16-mixed`` is refused on CPU, and with ``DPSGD`` (the scaled per-record
+  gradients would be clipped at a scaled bound); ``*-true`` and ``64`` precisions are refused.
+- ``callbacks``: Lightning callbacks run at the round level (see :mod:`dpfl_lightning.callbacks`):
+  ``ModelCheckpoint`` on a round metric, ``EarlyStopping``, ``LearningRateMonitor`` (the scheduled lr
+  at the start of each round, before ``client_lr_decay``), or a one-line refusal naming the callback.
+  They see only the metrics the run releases. The module's ``configure_callbacks`` are added.
+- Other ``lightning.Trainer`` arguments have federated counterparts: ``max_epochs`` -> ``rounds``,
+  ``devices`` / ``strategy`` -> ``mpiexec`` ranks, ``check_val_every_n_epoch`` -> ``eval_every``,
+  ``logger`` -> ``loggers``, ``enable_checkpointing`` -> ``checkpoint_every``.
+
+**DataModules** (:meth:`FederatedDataModule.from_datamodule`): the train set is split over clients;
+validation runs on ``val_dataloader`` (its batch size, ``collate_fn`` and sampler) when the
+DataModule has one, else on the test set; the final test on ``test_dataloader`` (else the validation
+set). The train loader's ``collate_fn`` builds the clients' batches; dict batches work; its
+``batch_size`` and sampler are replaced by the trainer's ``batch_size`` and each client's own
+shuffling (DP-SGD: its accounted sampling), with a warning when they differ. An ``IterableDataset``
+training set is refused (it cannot be split by index). The DataModule's batch-transfer hooks take
+precedence over the module's, as in Lightning.
+
+**Differential privacy.** Callbacks, ``ReduceLROnPlateau`` and ``self.trainer.callback_metrics``
+read only the released row. ``DPSGD`` works with manual optimization (``self.optimizers()`` returns
+the DP-SGD optimizer; stepping it twice on one batch is refused) and with batches for which
+``training_step`` returns ``None``: the step is still taken, with no gradient and the full noise, so
+every sampled batch is one noisy step as its accountant assumes (the decision to skip must not
+depend on the batch's records). ``DPSGD(fix_model=True)`` replaces the unsupported layers in the
+module you passed, in place, and says so with a warning.
+
+**Executors.** The ``vmap`` executor runs none of the above beyond ``training_step`` and refuses a
+module or setting that needs them (schedulers, epoch hooks, gradient clipping, accumulation, mixed
+precision).
+
+**Export.** ``FederatedTrainer.save_lightning_checkpoint(path)`` (and ``final_checkpoint=True``, which
+writes ``<checkpoint_dir>/final.ckpt`` after ``fit``) writes the global model as a Lightning checkpoint
+that ``MyModule.load_from_checkpoint(path)`` loads (see :mod:`dpfl_lightning.export`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from dpfl_lightning.callbacks import RoundTrainer, check_callbacks
+from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.module import (FederatedLightningModule, LoopSettings, _ScheduleCursor, is_overridden,
+                                   optimizer_steps_per_round)
+from dpfl_lightning.plan import RoundPlan
+
+if TYPE_CHECKING:
+    from dpfl_lightning.data.module import FederatedDataModule
+    from dpfl_lightning.trainer import FederatedTrainer
+
+
+def mixed16_needs_cuda(trainer: FederatedTrainer) -> None:
+    """``16-mixed`` is refused on CPU (float16 autocast with a loss scaler is a CUDA feature)."""
+    if not trainer._wants_cuda():
+        raise ConfigError("trainer.precision", "16-mixed", "float16 autocast with loss scaling needs CUDA, and this "
+                          "run trains on CPU", "use precision='bf16-mixed' (CPU and CUDA) or '32'")
+
+
+def _uses_dpsgd(plugins: list[Any]) -> bool:
+    from dpfl_lightning.plugins.dpsgd import DPSGD
+
+    return any(isinstance(p, DPSGD) for p in plugins)
+
+
+class LightningRun:
+    """The Lightning side of one ``FederatedTrainer.fit``: run-level hooks, callbacks, the schedule's
+    reference and the checks of what cannot run. The trainer calls it at fixed points of ``fit``."""
+
+    def __init__(self, trainer: FederatedTrainer, module: FederatedLightningModule, data: FederatedDataModule) -> None:
+        self.trainer, self.module, self.data = trainer, module, data
+        self.rounds_done = 0
+        self.round_idx = 0
+        self.adapter: RoundTrainer | None = None
+        self.steps_differ = False
+        self._plateau_warned: set[str] = set()
+        inner = module.inner
+        callbacks = list(trainer.callbacks)
+        if is_overridden(inner, "configure_callbacks"):
+            extra = inner.configure_callbacks()
+            extra = [extra] if extra is not None and not isinstance(extra, (list, tuple)) else list(extra or [])
+            callbacks += extra
+        check_callbacks(callbacks)
+        self.callbacks = callbacks
+        if trainer.precision == "16-mixed":
+            mixed16_needs_cuda(trainer)
+        manual = not bool(getattr(inner, "automatic_optimization", True))
+        if manual:
+            require(not trainer.gradient_clip_val, "trainer.gradient_clip_val", trainer.gradient_clip_val,
+                    "automatic gradient clipping is not supported with manual optimization (as in Lightning)",
+                    "call self.clip_gradients(opt, gradient_clip_val=...) in training_step, or remove the setting")
+            require(trainer.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
+                    trainer.accumulate_grad_batches, "automatic gradient accumulation is not supported with manual "
+                    "optimization (as in Lightning)", "accumulate in training_step, or remove the setting")
+        if _uses_dpsgd(trainer.plugins):
+            require(not trainer.gradient_clip_val and not is_overridden(inner, "configure_gradient_clipping"),
+                    "trainer.gradient_clip_val", trainer.gradient_clip_val or "configure_gradient_clipping",
+                    "DPSGD clips every record's gradient at max_grad_norm and ignores the batch gradient, so local "
+                    "gradient clipping would have no effect", "remove it (DPSGD(max_grad_norm=...) is the bound)")
+            require(trainer.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
+                    trainer.accumulate_grad_batches, "DPSGD's accountant counts one noisy step per sampled batch; "
+                    "accumulating k batches would make one step of k batches",
+                    "use a k times larger batch_size instead")
+            require(trainer.precision != "16-mixed", "trainer.precision", "16-mixed", "the loss scaler would scale "
+                    "the per-record gradients that DPSGD clips at max_grad_norm", "use 'bf16-mixed' or '32' with DPSGD")
+        executor = getattr(trainer.executor, "name", "sequential")
+        if executor != "sequential":
+            wanted = [name for name, on in (
+                ("gradient_clip_val", bool(trainer.gradient_clip_val)),
+                ("accumulate_grad_batches", trainer.accumulate_grad_batches != 1),
+                ("precision", trainer.precision != "32-true"),
+                ("on_train_epoch_start/end", is_overridden(inner, "on_train_epoch_start")
+                 or is_overridden(inner, "on_train_epoch_end"))) if on]
+            require(not wanted, "trainer.executor", executor, f"the vectorised step runs only training_step and an "
+                    f"elementwise optimizer, not {', '.join(wanted)}", "use executor='sequential'")
+        module.configure_loop(LoopSettings(
+            rounds=trainer.rounds, accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val or None, gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            precision=trainer.precision, eval_every=trainer.eval_every, log_dir=trainer.log_dir),
+            datamodule=getattr(data, "datamodule", None))
+
+    # ------------------------------------------------------------------ set-up
+    def check(self) -> None:
+        """After the run is built: the reference client's steps, ``configure_optimizers``, data settings."""
+        trainer, module, data = self.trainer, self.module, self.data
+        plan = RoundPlan(0, (), trainer.local_steps, trainer.local_epochs, trainer.batch_size)
+        k = trainer.accumulate_grad_batches if module.automatic_optimization else 1
+        sizes = sorted({data.client_num_samples(c) for c in range(data.num_clients)})
+        steps = set()
+        for n in sizes:
+            total = plan.steps_for(n)
+            bs = n if not trainer.batch_size else min(int(trainer.batch_size), n)
+            steps.add(optimizer_steps_per_round(total, math.ceil(n / bs), k))
+        module.loop.steps_reference = max(steps)
+        self.steps_differ = len(steps) > 1
+        shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client
+        shim.estimated_stepping_batches = trainer.rounds * module.loop.steps_reference
+        opts, scheds = module.check_optimizers()
+        if _uses_dpsgd(trainer.plugins):
+            require(len(opts) == 1, "model.configure_optimizers", f"{len(opts)} optimizers", "DPSGD's accountant "
+                    "counts one noisy step per sampled batch; a second DP optimizer would release every batch twice",
+                    "train with one optimizer under DPSGD")
+        self._check_data()
+
+    def _check_data(self) -> None:
+        data, trainer = self.data, self.trainer
+        info = getattr(data, "train_loader_info", None) or {}
+        bs = info.get("batch_size")
+        if bs is not None and trainer.batch_size is not None and bs != trainer.batch_size and trainer.is_global_zero:
+            warnings.warn(f"data: the DataModule's train_dataloader has batch_size={bs}; clients train with "
+                          f"trainer.batch_size={trainer.batch_size} (set it to {bs} to keep the DataModule's)",
+                          UserWarning, stacklevel=3)
+        sampler = info.get("sampler")
+        if sampler is not None and trainer.is_global_zero:
+            warnings.warn(f"data: the DataModule's train_dataloader sampler ({sampler}) is not used: each client "
+                          "draws its own batches from its own records (shuffled, or as DP-SGD's accountant assumes)",
+                          UserWarning, stacklevel=3)
+
+    def reference(self) -> _ScheduleCursor:
+        """The optimizers and schedulers of the reference (largest) client at the current round: what
+        ``LearningRateMonitor`` reports."""
+        return self.module.cursor(self.module.loop.steps_reference, self.round_idx)
+
+    @property
+    def lr_kind(self) -> str:
+        """The release kind of the learning rate the run logs: public unless step-interval schedulers
+        make it depend on client sizes."""
+        scheds = self.reference().scheds
+        sized = self.steps_differ and any(c.interval == "step" for c in scheds)
+        return "unaccounted" if sized else "public"
+
+    # ------------------------------------------------------------------ run-level hooks
+    def fit_start(self, loggers: list[Any], start_round: int) -> None:
+        inner = self.module.inner
+        self.rounds_done = self.round_idx = start_round
+        for r, row in enumerate(self.trainer.history):  # a resumed run: ReduceLROnPlateau's past inputs
+            self.module.record_round(int(row.get("round", r + 1)) - 1, row)
+        if self.callbacks:
+            self.adapter = RoundTrainer(self, self.callbacks, loggers)
+            self.adapter.current_epoch = start_round
+            self.adapter.call("setup", "fit")
+            self.adapter.call("on_fit_start")
+        inner.on_fit_start()
+        if self.adapter is not None:
+            self.adapter.call("on_train_start")
+        inner.on_train_start()
+
+    def round_start(self, round_idx: int) -> None:
+        self.round_idx = round_idx
+        self.module.set_round(round_idx)
+        if self.adapter is not None:
+            self.adapter.set_round(round_idx, None, False)
+            self.adapter.call("on_train_epoch_start")
+
+    def round_end(self, round_idx: int, metrics: dict[str, float], kinds: dict[str, str]) -> dict[str, float]:
+        """The round's released row: callbacks' logs merged in, then filtered; callbacks and the
+        schedules see only it."""
+        trainer, module = self.trainer, self.module
+        releases = trainer.run.releases
+        evaluated = (round_idx + 1) % trainer.eval_every == 0 or round_idx + 1 == trainer.rounds
+        self._merge_logs(metrics, kinds)
+        row = releases.filter(metrics, kinds)
+        self.rounds_done = round_idx + 1
+        module.record_round(round_idx, row)
+        self._check_plateau(round_idx, row, evaluated)
+        if self.adapter is not None:
+            self.adapter.set_round(round_idx, row, evaluated)
+            if evaluated:
+                for hook in ("on_validation_start", "on_validation_epoch_start", "on_validation_epoch_end",
+                             "on_validation_end"):
+                    self.adapter.call(hook)
+            self.adapter.call("on_train_epoch_end")
+            late: dict[str, float] = {}
+            self._merge_logs(late, kinds)
+            row.update(releases.filter(late, kinds))
+        return row
+
+    def _merge_logs(self, metrics: dict[str, float], kinds: dict[str, str]) -> None:
+        if self.adapter is None:
+            return
+        captured = self.adapter.capture.pop()
+        lr_keys = [k for k in captured if k.startswith(("lr-", "momentum-"))]
+        lr_kind = self.lr_kind if lr_keys else "public"
+        for key, value in captured.items():
+            kinds[key] = lr_kind if key in lr_keys else "unaccounted"
+            metrics[key] = value
+
+    def _check_plateau(self, round_idx: int, row: dict[str, float], evaluated: bool) -> None:
+        cursor = self.module._cursors.get(self.module.loop.steps_reference)
+        scheds = cursor.scheds if cursor is not None else []
+        if not scheds and self.module._has_schedulers:
+            scheds = self.reference().scheds
+        for cfg in scheds:
+            if not cfg.reduce_on_plateau or cfg.monitor in row or not evaluated:
+                continue
+            releases = self.trainer.run.releases
+            why = f"the round released {sorted(row)}"
+            if releases.private and not releases.opt_in:
+                why += " (this DP run withholds what training_step logs: un-noised statistics of client data)"
+            if cfg.strict:
+                raise ConfigError("model.configure_optimizers", f"monitor={cfg.monitor!r}", "ReduceLROnPlateau monitors "
+                                  f"a metric the round did not release: {why}", "monitor a released metric (an "
+                                  "evaluation metric such as val_loss), set log_client_metrics=True, or strict=False")
+            if cfg.monitor not in self._plateau_warned:
+                self._plateau_warned.add(cfg.monitor)
+                warnings.warn(f"ReduceLROnPlateau(monitor={cfg.monitor!r}) skipped round {round_idx + 1}: {why}",
+                              RuntimeWarning, stacklevel=2)
+
+    def train_end(self) -> None:
+        inner = self.module.inner
+        if self.adapter is not None:
+            self.adapter.call("on_train_end")
+        inner.on_train_end()
+        if self.adapter is not None:
+            self.adapter.call("on_fit_end")
+        inner.on_fit_end()
+
+    def teardown(self, error: BaseException | None) -> None:
+        """Always, also after a failure: callbacks' ``on_exception`` / ``teardown``, the module's
+        ``teardown("fit")``, then the module is detached from the run."""
+        module = self.module
+        try:
+            if self.adapter is not None:
+                if error is not None:
+                    for cb in self.callbacks:
+                        cb.on_exception(self.adapter, module.inner, error)
+                self.adapter.call("teardown", "fit")
+            if module._attached:
+                module.inner.teardown("fit")
+        finally:
+            module.teardown()
+
+    # ------------------------------------------------------------------ export
+    def save_lightning_checkpoint(self, path: str, epoch: int, global_step: int) -> None:
+        """The global model as a Lightning checkpoint (rank 0 writes; every rank calls this)."""
+        self.trainer.save_lightning_checkpoint(path, epoch, global_step)

@@ -1,0 +1,810 @@
+"""Any Lightning model, unchanged: schedules across rounds, the Trainer API inside the module, hooks,
+trainer settings, Lightning callbacks, DataModules, DP-SGD with manual optimization and skipped
+batches, export, and lightning.Trainer after a federated fit (see dpfl_lightning.lightning_compat)."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import (Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint,
+                                         StochasticWeightAveraging, TQDMProgressBar)
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+from dpfl_lightning import ConfigError, FederatedDataModule
+from dpfl_lightning.models import MLPClassifier
+from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
+from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
+
+DP_FEDAVG = lambda: [UpdateClipping(1.0), GaussianNoise(noise_multiplier=0.3)]  # noqa: E731
+
+
+def _lightning_trainer(**kw) -> L.Trainer:
+    kw.setdefault("max_epochs", 1)
+    return L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     accelerator="cpu", default_root_dir=os.devnull, **kw)
+
+
+# ---------------------------------------------------------------------------------------- schedules
+class LrSpy(TinyClassifier):
+    """Records (round, global_step, lr) at every local optimizer step."""
+
+    def __init__(self, make_scheduler=None, interval="epoch", **kw):
+        super().__init__(**kw)
+        self.make_scheduler, self.interval = make_scheduler, interval
+        self.seen: list[tuple[int, int, float]] = []
+        self.estimated: list[int] = []
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        self.estimated.append(self.trainer.estimated_stepping_batches)
+        if self.make_scheduler is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.make_scheduler(self, opt),
+                                                   "interval": self.interval}}
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append((self.current_epoch, self.global_step, optimizer.param_groups[0]["lr"]))
+
+
+def _reference_lrs(make_scheduler, steps: int, lr: float = 0.1) -> list[float]:
+    """The lr of each of ``steps`` consecutive optimizer steps of one plain torch run."""
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=lr)
+    sched = make_scheduler(None, opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_epoch_scheduler_advances_once_per_round_for_every_client(log_dir):
+    model = LrSpy(lambda m, opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    trainer = quiet_trainer(log_dir, rounds=4, local_epochs=2, batch_size=4)  # 3 clients x 2 epochs x 3 batches
+    trainer.fit(model, tiny_data(num_clients=3))
+    by_round = {}
+    for r, _, lr in model.seen:
+        by_round.setdefault(r, set()).add(lr)
+    assert by_round == {r: {0.1 * 0.5**r} for r in range(4)}  # exact: it never steps inside a client
+    assert len(model.seen) == 4 * 3 * 6
+
+
+def test_step_schedulers_continue_across_rounds_like_one_lightning_run(log_dir):
+    R, S = 4, 3
+    onecycle = lambda m, opt: torch.optim.lr_scheduler.OneCycleLR(  # noqa: E731
+        opt, max_lr=1.0, total_steps=m.trainer.estimated_stepping_batches if m is not None else R * S)
+    steplr = lambda m, opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
+    for make in (onecycle, steplr):
+        model = LrSpy(make, interval="step")
+        trainer = quiet_trainer(log_dir, rounds=R, clients_per_round=2, local_steps=S, batch_size=4)
+        trainer.fit(model, tiny_data(num_clients=5))
+        ref = _reference_lrs(make, R * S)
+        assert set(model.estimated) == {R * S}  # the steps one client takes over the run
+        assert len(model.seen) == R * 2 * S
+        for r, g, lr in model.seen:
+            assert g == r * S + (g - r * S) and r * S <= g < (r + 1) * S  # global_step continues from r * S
+            assert lr == pytest.approx(ref[g]), (r, g)
+        assert [lr for r, g, lr in model.seen if r == R - 1][-1] == pytest.approx(ref[-1])
+
+
+def test_client_lr_decay_scales_every_step_of_the_schedule(log_dir):
+    make = lambda m, opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # noqa: E731
+    steps = []
+
+    class StepSpy(LrSpy):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            steps.append(self._moved())
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self._before = [p.detach().clone() for p in self.parameters()]
+
+        def _moved(self):  # lr actually used = |change| / |grad|
+            p = next(self.parameters())
+            return float(((self._before[0] - p.detach()).norm() / p.grad.norm()))
+
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=1, local_steps=2, client_lr_decay=0.5)
+    trainer.fit(StepSpy(make, interval="step"), tiny_data())
+    assert steps == pytest.approx([0.1, 0.05, 0.5 * 0.025, 0.5 * 0.0125], rel=1e-4)
+
+
+class Plateau(LrSpy):
+    def __init__(self, monitor="my_val_loss", **kw):
+        super().__init__(**kw)
+        self.monitor = monitor
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": self.monitor}}
+
+
+def test_reduce_on_plateau_steps_once_per_round_on_the_released_metric(log_dir):
+    model = Plateau(lr=0.5)
+    trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=2, local_epochs=2)
+    trainer.fit(model, tiny_data())
+    ref_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(ref_opt, factor=0.5, patience=0, threshold=0.5)
+    for r in range(4):
+        assert {lr for rr, _, lr in model.seen if rr == r} == {ref_opt.param_groups[0]["lr"]}
+        ref.step(trainer.history[r]["my_val_loss"])
+    assert model.seen[-1][2] < 0.5  # it did reduce
+
+
+def test_reduce_on_plateau_refuses_a_metric_a_dp_run_withholds(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=DP_FEDAVG())
+    with pytest.raises(ConfigError, match="withholds"):
+        trainer.fit(Plateau(monitor="my_train_loss"), tiny_data())
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=DP_FEDAVG())
+    trainer.fit(Plateau(), tiny_data())  # an evaluation metric is released
+
+
+def test_reduce_on_plateau_needs_a_monitor(log_dir):
+    class NoMonitor(TinyClassifier):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.ReduceLROnPlateau(opt)]
+
+    with pytest.raises(ConfigError, match="monitor"):
+        quiet_trainer(log_dir, rounds=1).fit(NoMonitor(), tiny_data())
+
+
+# ---------------------------------------------------------------------------------------- the Trainer API
+def test_trainer_api_inside_the_module(log_dir):
+    seen = {}
+
+    class Api(TinyClassifier):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+
+        def training_step(self, batch, batch_idx):
+            t = self.trainer
+            seen["optimizers"] = self.optimizers()
+            seen["schedulers"] = self.lr_schedulers()
+            seen["raw"] = list(t.optimizers)
+            seen["model"] = t.model is self and t.lightning_module is self
+            seen["shape"] = (t.max_epochs, t.num_training_batches, t.estimated_stepping_batches, t.is_last_batch)
+            seen["training"] = t.training
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            seen["validating"] = self.trainer.validating
+            seen["callback_metrics"] = set(self.trainer.callback_metrics)
+            return super().validation_step(batch, batch_idx)
+
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, local_steps=3)
+    model = Api()
+    trainer.fit(model, tiny_data())
+    assert isinstance(seen["optimizers"], LightningOptimizer) and isinstance(seen["optimizers"], torch.optim.SGD)
+    assert isinstance(seen["schedulers"], torch.optim.lr_scheduler.StepLR)
+    assert seen["raw"] == [seen["optimizers"].optimizer] and seen["model"]
+    assert seen["shape"] == (2, 3, 6, True) and seen["training"] and seen["validating"]
+    assert "my_val_loss" in seen["callback_metrics"]  # the previous round's released row
+    with pytest.raises(RuntimeError, match="not attached"):  # after fit: detached, as a fresh module
+        _ = model.trainer
+
+
+def test_unknown_trainer_attributes_name_themselves(log_dir):
+    class Reads(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            return self.trainer.val_dataloaders
+
+    with pytest.raises(AttributeError, match="self.trainer.val_dataloaders is not available in a federated run"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=1).fit(Reads(), tiny_data())
+
+
+class GanLike(TinyClassifier):
+    """Manual optimization with two optimizers, toggling, clip_gradients and a stepped scheduler."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.head_norms: list[float] = []
+
+    def configure_optimizers(self):
+        a = torch.optim.SGD(self.net[0].parameters(), lr=0.1)
+        b = torch.optim.SGD(self.net[2].parameters(), lr=0.1)
+        return [a, b], [torch.optim.lr_scheduler.StepLR(b, 1, 0.5)]
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        for opt in (opt_a, opt_b):
+            with self.toggled_optimizer(opt):
+                loss = F.cross_entropy(self(x), y)
+                opt.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(opt, gradient_clip_val=1e-3, gradient_clip_algorithm="norm")
+                if opt is opt_b:
+                    self.head_norms.append(float(torch.cat([p.grad.flatten() for p in self.net[2].parameters()]).norm()))
+                opt.step()
+        self.lr_schedulers().step()
+        self.log("gan_loss", loss)
+
+
+def test_manual_optimization_with_two_optimizers_toggles_and_clips(log_dir):
+    model = GanLike()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, local_steps=2)
+    trainer.fit(model, tiny_data())
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert model.head_norms and max(model.head_norms) <= 1e-3 * (1 + 1e-4)
+    assert all(p.requires_grad for p in model.parameters())  # untoggled
+
+
+# ---------------------------------------------------------------------------------------- hooks
+RUN_HOOKS = ["setup", "configure_model", "on_fit_start", "on_train_start", "on_train_epoch_start",
+             "on_train_epoch_end", "on_validation_start", "on_validation_end", "on_test_start", "on_test_end",
+             "on_train_end", "on_fit_end", "teardown"]
+
+
+class HookLog(TinyClassifier):
+    def __init__(self, fail_in_round=None):
+        super().__init__()
+        self.calls: list[str] = []
+        self.fail_in_round = fail_in_round
+        self.extra = None
+
+    def _rec(name):  # noqa: N805 - builds overriding methods
+        def method(self, *args, **kwargs):
+            self.calls.append(name)
+            return getattr(L.LightningModule, name)(self, *args, **kwargs)
+
+        return method
+
+    for _name in RUN_HOOKS:
+        if _name not in ("configure_model",):
+            locals()[_name] = _rec(_name)
+
+    def configure_model(self):
+        self.calls.append("configure_model")
+        if self.extra is None:
+            self.extra = nn.Linear(10, 10)  # built here: trained and federated like the rest
+            self.extra_init = self.extra.weight.detach().clone()
+
+    def forward(self, x):
+        return self.net(self.extra(x))
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_in_round is not None and self.current_epoch == self.fail_in_round:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
+
+def test_run_level_hooks_run_in_lightnings_order(log_dir):
+    model = HookLog()
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2)
+    trainer.fit(model, tiny_data())
+    client = ["on_train_epoch_start", "on_train_epoch_end"] * 2
+    val = ["on_validation_start", "on_validation_end"]
+    assert model.calls == (["setup", "configure_model", "on_fit_start", "on_train_start"] + client + val + client + val
+                           + ["on_test_start", "on_test_end", "on_train_end", "on_fit_end", "teardown"])
+    assert not torch.equal(model.extra.weight, model.extra_init)
+
+
+def test_a_failed_run_tears_down_and_leaves_the_module_clean(log_dir):
+    model = HookLog(fail_in_round=1)
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model, tiny_data())
+    assert model.calls[-1] == "teardown" and "on_fit_end" not in model.calls
+    assert model._trainer is None and "log" not in vars(model)
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # no Opacus hooks or attributes left
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == len(list(model.parameters()))
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.equal(flat, trainer.module.global_params)  # the global model of the last finished round
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, gradient_clip_val=1.0,
+                            plugins=[DPSGD(noise_multiplier=1.0)])
+    with pytest.raises(ConfigError):  # refused at set-up: nothing attached either
+        trainer.fit(model, tiny_data())
+    assert model._trainer is None and "log" not in vars(model)
+
+
+def _lstm_data(num_clients=4, vocab=12, seq=6, per_client=8):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (num_clients * per_client, seq), generator=g)
+    y = (x + 1) % vocab  # predict the next token id: learnable
+    return FederatedDataModule.from_tensors(x, y, x[:8], y[:8], num_clients=num_clients)
+
+
+def _tiny_lstm(vocab=12):
+    from lightning.pytorch.demos import LightningLSTM
+    from lightning.pytorch.demos.lstm import SimpleLSTM
+
+    torch.manual_seed(0)
+    model = LightningLSTM(vocab_size=vocab)
+    model.model = SimpleLSTM(vocab_size=vocab, ninp=16, nhid=16, nlayers=1, dropout=0.0)
+    return model
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_lightning_lstm_demo_state_does_not_leak_between_clients(log_dir, dp):
+    model = _tiny_lstm()
+    starts = []
+    original = type(model).training_step
+
+    def spy(batch, batch_idx):
+        if batch_idx == 0:
+            starts.append(model.hidden is None)
+        return original(model, batch, batch_idx)
+
+    model.training_step = spy
+    x, y = _lstm_data()._given[0].tensors
+    before = F.nll_loss(model.model(x, model.model.init_hidden(x.shape[0]))[0], y.view(-1)).item()
+    # Lightning's LSTM demo needs batches of one size (its hidden state carries over): 8 records, batch 4;
+    # its SGD(lr=20) needs the gradient clipping PyTorch's word-language-model example uses
+    trainer = quiet_trainer(log_dir, rounds=4, batch_size=4, gradient_clip_val=0.1,
+                            plugins=DP_FEDAVG() if dp else [])
+    trainer.fit(model, _lstm_data())
+    assert starts and all(starts)  # every client starts without the previous client's hidden state
+    assert model.hidden is None
+    after = F.nll_loss(model.model(x, model.model.init_hidden(x.shape[0]))[0], y.view(-1)).item()
+    assert after < before
+
+
+# ---------------------------------------------------------------------------------------- trainer settings
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clip_val_clips_each_local_step(log_dir, algorithm):
+    rec = Recorder(order=1)
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=3, local_steps=1, gradient_clip_val=0.01,
+                            gradient_clip_algorithm=algorithm, plugins=[rec])
+    trainer.fit(TinyClassifier(lr=1.0), tiny_data())
+    for u in rec.updates:  # one SGD step with lr 1: the update is minus the clipped gradient
+        size = u.norm() if algorithm == "norm" else u.abs().max()
+        assert 0.009 < size <= 0.01 * (1 + 1e-5)
+
+
+def test_configure_gradient_clipping_is_called_with_the_trainer_settings(log_dir):
+    got = []
+
+    class Custom(TinyClassifier):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            got.append((gradient_clip_val, gradient_clip_algorithm))
+            self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm="value")
+
+    rec = Recorder(order=1)
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, local_steps=1, gradient_clip_val=0.002,
+                            plugins=[rec])
+    trainer.fit(Custom(lr=1.0), tiny_data())
+    assert got == [(0.002, None)] * 2  # as lightning.Trainer passes them (no algorithm set)
+    assert all(u.abs().max() <= 0.002 * (1 + 1e-5) for u in rec.updates)  # the module chose clipping by value
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=1, local_steps=1, gradient_clip_val=0.002,
+                            gradient_clip_algorithm="norm")
+    with pytest.raises(Exception, match="gradient_clip_algorithm"):  # Lightning's own conflict check
+        trainer.fit(Custom(), tiny_data())
+
+
+def test_gradient_clipping_and_accumulation_refusals(log_dir):
+    dpsgd = lambda: [DPSGD(noise_multiplier=1.0)]  # noqa: E731
+    cases = [(dict(gradient_clip_val=1.0, plugins=dpsgd()), TinyClassifier, "per record|every record"),
+             (dict(accumulate_grad_batches=2, plugins=dpsgd()), TinyClassifier, "one noisy step per sampled batch"),
+             (dict(gradient_clip_val=1.0), GanLike, "manual optimization"),
+             (dict(accumulate_grad_batches=2), GanLike, "manual optimization"),
+             (dict(precision="16-mixed"), TinyClassifier, "needs CUDA"),
+             (dict(precision="bf16-true"), TinyClassifier, "fp32 buffer"),
+             (dict(accumulate_grad_batches=2, executor="vmap"), TinyClassifier, "executor='sequential'")]
+    for kw, model, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            quiet_trainer(log_dir, rounds=1, clients_per_round=1, **kw).fit(model(), tiny_data())
+
+
+def test_accumulate_grad_batches_equals_a_larger_batch(log_dir):
+    out = {}
+    for bs, acc in ((8, 1), (4, 2)):
+        trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=3, batch_size=bs, accumulate_grad_batches=acc)
+        model = LrSpy()
+        out[acc] = trainer.fit(model, tiny_data(samples=16)).global_params.clone()
+        assert {g for _, g, _ in model.seen} == {0, 1, 2, 3}  # 2 optimizer steps per round either way
+        assert set(model.estimated) == {4}
+    assert torch.allclose(out[1], out[2], atol=1e-6)
+
+
+def test_bf16_mixed_autocasts_the_steps_and_keeps_fp32_weights(log_dir):
+    dtypes = set()
+
+    class Cast(TinyClassifier):
+        def forward(self, x):
+            out = super().forward(x)
+            dtypes.add(out.dtype)
+            return out
+
+    for plugins in ([], DP_FEDAVG(), [DPSGD(noise_multiplier=0.5)]):
+        trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=4, precision="bf16-mixed", plugins=plugins)
+        fm = trainer.fit(Cast(), tiny_data())
+        assert fm.global_params.dtype == torch.float32 and all(p.dtype == torch.float32 for p in fm.inner.parameters())
+        assert math.isfinite(trainer.history[-1]["my_val_loss"])
+    assert dtypes == {torch.bfloat16}
+
+
+def test_16_mixed_scales_the_loss(log_dir, monkeypatch):
+    """The float16 path (CUDA in practice), run on CPU with the device check lifted."""
+    import dpfl_lightning.lightning_compat as compat
+
+    monkeypatch.setattr(compat, "mixed16_needs_cuda", lambda trainer: None)
+    losses = {}
+    for precision in ("32", "16-mixed"):
+        trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=4, precision=precision)
+        fm = trainer.fit(TinyClassifier(), tiny_data())
+        losses[precision] = [h["my_train_loss"] for h in trainer.history]
+    assert fm._scaler is not None and fm._scaler.get_scale() > 1 and fm.global_params.dtype == torch.float32
+    assert losses["16-mixed"] == pytest.approx(losses["32"], abs=0.02)
+
+
+# ---------------------------------------------------------------------------------------- callbacks
+def test_model_checkpoint_on_a_round_metric_and_load_from_checkpoint(log_dir, tmp_path):
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_acc", mode="max", save_top_k=1)
+    trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=4, callbacks=[ckpt])
+    trainer.fit(MLPClassifier(in_features=10, hidden=[8]), tiny_data())
+    accs = [h["val_acc"] for h in trainer.history]
+    assert ckpt.best_model_score == pytest.approx(max(accs))
+    assert os.path.basename(ckpt.best_model_path).startswith(f"epoch={accs.index(max(accs))}-")  # epoch = round
+    loaded = MLPClassifier.load_from_checkpoint(ckpt.best_model_path)  # hyperparameters come from the file
+    assert loaded.hparams.hidden == [8]
+    assert len(os.listdir(tmp_path / "ckpt")) == 1  # top-1: the others were removed
+
+
+def test_early_stopping_stops_the_run_after_a_round(log_dir):
+    stop = EarlyStopping(monitor="my_val_loss", patience=0, min_delta=10.0)  # no round improves by 10
+    trainer = quiet_trainer(log_dir, rounds=6, clients_per_round=2, callbacks=[stop])
+    trainer.fit(TinyClassifier(), tiny_data())
+    assert len(trainer.history) == 2 and "EarlyStopping" in trainer.stop_reason
+    assert "my_val_loss" in trainer.history[-1]  # the last round trained is evaluated and tested as usual
+
+
+def test_the_modules_configure_callbacks_are_added(log_dir):
+    class Stops(TinyClassifier):
+        def configure_callbacks(self):
+            return EarlyStopping(monitor="my_val_loss", patience=0, min_delta=10.0)
+
+    trainer = quiet_trainer(log_dir, rounds=5, clients_per_round=2)
+    trainer.fit(Stops(), tiny_data())
+    assert len(trainer.history) == 2
+
+
+def test_learning_rate_monitor_logs_the_round_schedule(log_dir):
+    model = LrSpy(lambda m, opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2, callbacks=[LearningRateMonitor("epoch")],
+                            plugins=DP_FEDAVG())
+    trainer.fit(model, tiny_data())
+    assert [h["lr-SGD"] for h in trainer.history] == [0.1, 0.05, 0.025]  # public: released in a DP run too
+
+
+class SeesMetrics(Callback):
+    def __init__(self):
+        self.keys = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.keys.append(set(trainer.callback_metrics))
+
+
+def test_callbacks_see_only_the_released_row(log_dir):
+    cb = SeesMetrics()
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=DP_FEDAVG(), callbacks=[cb])
+    trainer.fit(TinyClassifier(), tiny_data())
+    assert cb.keys and all("my_val_loss" in k and "my_train_loss" not in k and "epsilon" in k for k in cb.keys)
+
+
+class PerBatch(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pass
+
+
+@pytest.mark.parametrize("callback,match", [
+    (ModelCheckpoint(every_n_train_steps=5), "every_n_train_steps"),
+    (LearningRateMonitor(logging_interval="step"), "logging_interval='step'"),
+    (StochasticWeightAveraging(swa_lrs=0.1), "StochasticWeightAveraging"),
+    (TQDMProgressBar(), "progress bar"),
+    (PerBatch(), "on_train_batch_end"),
+    (UpdateClipping(1.0), "plugins="),
+])
+def test_callbacks_that_cannot_run_per_round_are_refused(log_dir, callback, match):
+    with pytest.raises(ConfigError, match=match):
+        quiet_trainer(log_dir, rounds=1, callbacks=[callback]).fit(TinyClassifier(), tiny_data())
+
+
+# ---------------------------------------------------------------------------------------- DataModules
+class RecordsWithNoise(Dataset):
+    """Dict records ``{"x": ..., "label": ...}`` (no tuple structure)."""
+
+    def __init__(self, n, seed, shift=0.0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 10, generator=g) + shift
+        self.y = (self.x[:, 0] > shift).long()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "label": self.y[i]}
+
+
+def collate_records(items):
+    return {"inputs": torch.stack([it["x"] for it in items]), "targets": torch.stack([it["label"] for it in items])}
+
+
+class DictDataModule(L.LightningDataModule):
+    def __init__(self, batch_size=4):
+        super().__init__()
+        self.save_hyperparameters()
+        self.collate_calls = 0
+
+    def setup(self, stage):
+        self.train, self.val, self.test = RecordsWithNoise(96, 0), RecordsWithNoise(40, 1), RecordsWithNoise(40, 2, 3.0)
+
+    def _collate(self, items):
+        self.collate_calls += 1
+        return collate_records(items)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.transfers = getattr(self, "transfers", 0) + 1  # the DataModule's hook is used, as in Lightning
+        return batch
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=self._collate)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=7, collate_fn=collate_records)
+
+    def test_dataloader(self):
+        return DataLoader(self.test, batch_size=7, collate_fn=collate_records)
+
+
+class DictModel(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(10, 2)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.net(batch["inputs"]), batch["targets"])
+        self.log("train_loss", loss)
+        return loss
+
+    def _eval(self, batch, stage):
+        logits = self.net(batch["inputs"])
+        self.log(f"{stage}_loss", F.cross_entropy(logits, batch["targets"]))
+        self.log(f"{stage}_acc", (logits.argmax(-1) == batch["targets"]).float().mean())
+
+    def validation_step(self, batch, batch_idx):
+        self._eval(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._eval(batch, "test")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize("plugins", [[], DP_FEDAVG(), [DPSGD(noise_multiplier=0.3)]], ids=["fedavg", "dpfedavg", "dpsgd"])
+def test_datamodule_collate_dict_batches_and_validation_set(log_dir, plugins):
+    dm = DictDataModule()
+    data = FederatedDataModule.from_datamodule(dm, num_clients=4)
+    trainer = quiet_trainer(log_dir, rounds=4, batch_size=4, plugins=plugins)
+    trainer.fit(DictModel(), data)
+    last = trainer.history[-1]
+    assert dm.collate_calls > 0  # the DataModule's collate_fn built the clients' batches
+    assert dm.transfers > 0
+    assert last["val_loss"] != pytest.approx(last["test_loss"])  # val_dataloader, not the test set
+    assert last["val_acc"] > 0.7
+
+
+def test_label_aware_partitions_read_dict_records(log_dir):
+    data = FederatedDataModule.from_datamodule(DictDataModule(), num_clients=4, partition="shards", shards_per_client=1)
+    data.setup()
+    labels = [set(data._train_ds.y[data.client_indices(c)].tolist()) for c in range(4)]
+    assert all(len(s) == 1 for s in labels)  # one class per client: labels came from the "label" key
+
+    class NoLabel(Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            return {"x": torch.zeros(3)}
+
+    with pytest.raises(ConfigError, match="partition='iid'"):
+        FederatedDataModule.from_datasets(NoLabel(), num_clients=2, partition="dirichlet").setup()
+    FederatedDataModule.from_datasets(NoLabel(), num_clients=2).setup()  # iid needs no labels
+
+
+def test_datamodule_iterable_training_set_is_refused(log_dir):
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from (torch.randn(10) for _ in range(8))
+
+    class StreamDM(L.LightningDataModule):
+        def train_dataloader(self):
+            return DataLoader(Stream(), batch_size=2)
+
+    with pytest.raises(ConfigError, match="IterableDataset"):
+        quiet_trainer(log_dir, rounds=1).fit(TinyClassifier(), FederatedDataModule.from_datamodule(StreamDM(), num_clients=2))
+
+
+def test_datamodule_batch_size_that_clients_do_not_use_is_announced(log_dir):
+    with pytest.warns(UserWarning, match="batch_size=8"):
+        quiet_trainer(log_dir, rounds=1, batch_size=4).fit(
+            DictModel(), FederatedDataModule.from_datamodule(DictDataModule(batch_size=8), num_clients=4))
+
+
+# ---------------------------------------------------------------------------------------- DP-SGD
+class ConvBN(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.BatchNorm1d(4), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(40, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x.unsqueeze(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_fix_model_trains_the_module_that_was_passed(log_dir):
+    model = ConvBN()
+    before = model.net[0].weight.detach().clone()
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=[DPSGD(noise_multiplier=0.5, fix_model=True)])
+    with pytest.warns(UserWarning, match="in place: net.1: BatchNorm1d -> GroupNorm"):
+        fm = trainer.fit(model, tiny_data())
+    assert fm.inner is model and isinstance(model.net[1], nn.GroupNorm)
+    assert not torch.equal(before, model.net[0].weight)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.equal(flat, fm.global_params)
+
+
+class SkipsOddBatches(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+
+def test_dpsgd_with_manual_optimization_and_skipped_batches(log_dir):
+    data = tiny_data(num_clients=6, samples=20)
+    for model in (ManualTiny(), SkipsOddBatches()):
+        trainer = quiet_trainer(log_dir, rounds=6, clients_per_round=4, batch_size=5, log_client_metrics=True,
+                                plugins=[DPSGD(noise_multiplier=0.3)])
+        trainer.fit(model, data)
+        losses = [h["my_train_loss"] for h in trainer.history]
+        assert losses[-1] < losses[0], type(model).__name__
+
+
+def test_a_skipped_dpsgd_batch_is_a_noise_only_step(log_dir):
+    class AlwaysSkips(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    z, C, B = 1.0, 1.0, 4
+    model = AlwaysSkips(in_features=200, lr=1.0)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()]).double()
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=B, local_steps=1,
+                            plugins=[DPSGD(noise_multiplier=z, max_grad_norm=C)])
+    fm = trainer.fit(model, tiny_data(num_clients=2, samples=20, dim=200))
+    moved = (fm.global_params.double() - before) * B  # one step: N(0, (zC)^2) / B, lr 1
+    assert moved.std().item() == pytest.approx(z * C, rel=0.1)
+
+
+def test_dpsgd_refuses_two_steps_on_one_batch(log_dir):
+    class TwoSteps(ManualTiny):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)
+            super().training_step(batch, batch_idx)
+
+    with pytest.raises(ConfigError, match="more than once on one batch"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=1, plugins=[DPSGD(noise_multiplier=1.0)]).fit(
+            TwoSteps(), tiny_data())
+
+
+class ManualTiny(TinyClassifier):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.log("my_train_loss", loss)
+
+
+# ---------------------------------------------------------------------------------------- export, lightning.Trainer after fit
+def test_final_checkpoint_loads_with_load_from_checkpoint(log_dir, tmp_path):
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=3, final_checkpoint=True,
+                            checkpoint_dir=str(tmp_path), plugins=DP_FEDAVG())
+    fm = trainer.fit(MLPClassifier(in_features=10, hidden=[8], lr=0.3), tiny_data())
+    loaded = MLPClassifier.load_from_checkpoint(str(tmp_path / "final.ckpt"))
+    assert loaded.hparams.lr == 0.3
+    flat = torch.cat([p.detach().flatten() for p in loaded.parameters()])
+    assert torch.equal(flat, fm.global_params)
+    path = trainer.save_lightning_checkpoint(str(tmp_path / "again.ckpt"))
+    assert torch.load(path, weights_only=False)["epoch"] == 2
+    data = tiny_data()
+    data.setup()
+    results = _lightning_trainer().test(loaded, DataLoader(TensorDataset(*data._test_tensors), batch_size=16),
+                                        verbose=False)
+    assert results[0]["test_acc"] == pytest.approx(trainer.final_metrics["test_acc"], abs=1e-6)
+
+
+@pytest.mark.parametrize("plugins", [[], DP_FEDAVG(), [DPSGD(noise_multiplier=0.5, fix_model=True)]],
+                         ids=["fedavg", "dpfedavg", "dpsgd"])
+def test_lightning_trainer_fits_and_tests_the_module_after_a_federated_fit(log_dir, plugins):
+    model = ConvBN() if plugins and isinstance(plugins[0], DPSGD) else TinyClassifier()
+    data = tiny_data()
+    data.setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=plugins).fit(model, data)
+        x, y = data._train_tensors
+        loader = DataLoader(TensorDataset(x, y), batch_size=16)
+        before = [p.detach().clone() for p in model.parameters()]
+        _lightning_trainer(max_epochs=1).fit(model, loader)
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        if isinstance(model, TinyClassifier):
+            _lightning_trainer().validate(model, loader, verbose=False)
+
+
+# ---------------------------------------------------------------------------------------- Lightning's demo modules
+def _boring_data(num_clients=4):
+    from lightning.pytorch.demos.boring_classes import RandomDataset
+
+    torch.manual_seed(0)
+    return FederatedDataModule.from_datasets(RandomDataset(32, 64), RandomDataset(32, 16), num_clients=num_clients)
+
+
+def _boring_loss(model):
+    x = _boring_data()._given[0].data
+    with torch.no_grad():
+        return model.loss(model(x)).item()
+
+
+@pytest.mark.parametrize("plugins", [[], DP_FEDAVG(), [DPSGD(noise_multiplier=0.3, max_grad_norm=5.0)]],
+                         ids=["fedavg", "dpfedavg", "dpsgd"])
+@pytest.mark.parametrize("demo", ["BoringModel", "ManualOptimBoringModel"])
+def test_lightning_boring_models(log_dir, demo, plugins):
+    from lightning.pytorch.demos import boring_classes
+
+    torch.manual_seed(0)
+    model = getattr(boring_classes, demo)()  # StepLR(step_size=1): the lr falls 10x per round
+    before = _boring_loss(model)
+    trainer = quiet_trainer(log_dir, rounds=3, batch_size=8, plugins=plugins)
+    trainer.fit(model, _boring_data())
+    assert _boring_loss(model) < 0.9 * before
+
+
+# DP-FedAvg on a 1.3M-parameter model with 3 clients: only a tiny noise multiplier leaves any signal
+@pytest.mark.parametrize("plugins", [[], [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1e-4)],
+                                     [DPSGD(noise_multiplier=0.3)]], ids=["fedavg", "dpfedavg", "dpsgd"])
+def test_lightning_transformer_demo(log_dir, plugins):
+    from lightning.pytorch.demos import LightningTransformer
+
+    torch.manual_seed(0)
+    vocab = 16
+    model = LightningTransformer(vocab_size=vocab)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (24, 5), generator=g)
+    data = FederatedDataModule.from_tensors(x, (x + 1) % vocab, num_clients=3)
+    loss = lambda: F.nll_loss(model(x, (x + 1) % vocab), ((x + 1) % vocab).view(-1)).item()  # noqa: E731
+    model.eval()
+    before = loss()
+    trainer = quiet_trainer(log_dir, rounds=3, batch_size=4, plugins=plugins)
+    if plugins and isinstance(plugins[0], DPSGD):  # Opacus has no per-record gradients for nn.MultiheadAttention
+        with pytest.raises(ConfigError, match="DPSGD.*MultiheadAttention") as err:
+            trainer.fit(model, data)
+        assert "\n" not in str(err.value)
+        return
+    trainer.fit(model, data)
+    model.eval()
+    assert loss() < before

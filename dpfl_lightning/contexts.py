@@ -99,6 +99,7 @@ class ClientContext:
     lr: float = 0.0
     replay: bool = False
     checked_finite: set[str] = field(default_factory=set)  # segments a bounding plugin found finite
+    scratch: dict[str, Any] = field(default_factory=dict)  # plugins' working space for this client and round
 
 
     @property

@@ -13,6 +13,9 @@ A segment states its ``source``:
   itself, a control-variate delta). DP-SGD inside the client protects it (post-processing).
 - ``data``: computed from the client's raw data or raw update statistics (a loss, a norm, a count).
   Only a mechanism declared for it protects it.
+- ``released``: computed from segments the client already randomized with a local mechanism
+  (FedEXP's ``||c_i||^2`` of a noised update): post-processing of a local release, covered when a
+  local mechanism covers every segment it reads (``derived_from``).
 - ``control``: the trainer's own flag that a client's update was not finite, which stops the run
   (``on_nonfinite="raise"``); never logged.
 
@@ -28,7 +31,7 @@ import torch
 
 from dpfl_lightning.errors import ConfigError, require
 
-SOURCES = ("model", "data", "control")
+SOURCES = ("model", "data", "released", "control")
 UPDATE = "update"
 
 
@@ -41,6 +44,7 @@ class Segment:
     size: int
     source: str = "model"
     owner: str = "trainer"
+    derived_from: tuple[str, ...] = ("update",)  # "released" segments: what they are computed from
 
     def __post_init__(self) -> None:
         require(self.name.isidentifier(), "payload segment", self.name, "must be an identifier", "rename the segment")
@@ -108,13 +112,17 @@ class Aggregate:
         return float(self.sums[name][0])
 
 
-def check_coverage(layout: PayloadLayout, covered: dict[str, list[str]], record_level: bool) -> None:
+def check_coverage(layout: PayloadLayout, covered: dict[str, list[str]], record_level: bool,
+                   locally: set[str] | None = None) -> None:
     """Refuse a DP run in which a segment leaves every client unprotected.
 
     ``covered`` maps a segment name to the mechanisms (sources) that declared it; ``"*"`` covers
-    every ``model`` segment (DP-SGD: everything derived from the DP-trained local model)."""
+    every ``model`` segment (DP-SGD: everything derived from the DP-trained local model);
+    ``locally`` names the segments a local mechanism covers (what ``released`` segments may read)."""
     for seg in layout.segments:
         if covered.get(seg.name):
+            continue
+        if seg.source == "released" and set(seg.derived_from) <= (locally or set()):
             continue
         if seg.source == "model" and (record_level or covered.get("*")):
             continue

@@ -5,7 +5,8 @@ layout, the privacy mechanisms and ledger, the release list, and the checks of a
 
 1. device, communicator, threads; the data split and the client sampler; the random source
    (secure mode: a fresh secret from rank 0);
-2. the plugins' ``configure_model``, the module's flat buffers (rank 0's initial model everywhere);
+2. the module's ``setup("fit")`` and ``configure_model()``, the plugins' ``configure_model``, the
+   module's flat buffers (rank 0's initial model everywhere);
 3. a default server optimizer; norm bounds; every plugin's ``setup`` (calibration happens here);
 4. the mechanisms they declare; a privacy ledger when there is any (then the run is *private*);
 5. the payload layout and the release list; the checks of a DP run (every payload segment covered
@@ -170,7 +171,10 @@ def setup_plugins(trainer: FederatedTrainer, ctx: SetupContext) -> PrivacyLedger
 
 def collect_mechanisms(plugins: list, ctx: SetupContext) -> None:
     """Every mechanism the plugins declare now (also after a resume restored calibrated noise)."""
-    ctx.mechanisms = [m for p in plugins if not isinstance(p, PrivacyLedger) for m in p.privacy_mechanisms(ctx=ctx)]
+    ctx.mechanisms = []  # in plugin order: a plugin sees the mechanisms of those before it (FedEXP's xi)
+    for p in plugins:
+        if not isinstance(p, PrivacyLedger):
+            ctx.mechanisms.extend(p.privacy_mechanisms(ctx=ctx))
 
 
 def _payload(trainer: FederatedTrainer, ctx: SetupContext, d: int, private: bool, opt_in: bool) -> PayloadLayout:
@@ -200,8 +204,9 @@ def _check_private_run(trainer: FederatedTrainer, ctx: SetupContext, layout: Pay
         for seg in m.covers:
             covered.setdefault(seg, []).append(m.source)
     record_level = any(m.granularity == "record" for m in ctx.mechanisms)
+    locally = {seg for m in ctx.mechanisms if m.placement == "local" for seg in m.covers}
     checked = PayloadLayout([s for s in layout.segments if s.source != "control" and not (opt_in and s.source == "data")])
-    check_coverage(checked, covered, record_level)
+    check_coverage(checked, covered, record_level, locally)
 
 
 def _notes(trainer: FederatedTrainer, data: Any, layout: PayloadLayout, opt_in: bool) -> list[str]:
@@ -246,7 +251,8 @@ def build_run(trainer: FederatedTrainer, module: Any, data: Any) -> RunSetup:
     require(comm.size <= M, "mpiexec -n", comm.size, f"more ranks than clients (data.num_clients={M})",
             f"launch at most {M} ranks or use more clients")
     data.to(device)
-    for p in trainer.plugins:  # e.g. DP-SGD may swap in a DP-compatible copy of the model
+    module.prepare("fit")  # the module's setup("fit") and configure_model(): layers they build are federated too
+    for p in trainer.plugins:  # e.g. DP-SGD may replace layers Opacus cannot handle
         module.inner = p.configure_model(ctx=ctx, model=module.inner)
     module.setup(device, comm.rank, comm.size, comm.local_rank)
     # Every rank starts from rank 0's initial parameters, whatever its random state was.

@@ -20,11 +20,13 @@ per rank.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
 from dpfl_lightning import checkpoint as ckpt
@@ -34,10 +36,12 @@ from dpfl_lightning.comm import Communicator, make_communicator
 from dpfl_lightning.contexts import ClientContext, ServerContext
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
+from dpfl_lightning.export import save_lightning_checkpoint
 from dpfl_lightning.executor import EXECUTORS, Executor, RoundWork
 from dpfl_lightning.logged_metrics import merge
 from dpfl_lightning.loggers import (RoundProgress, log_privacy_settings, make_loggers, print_summary,
                                     privacy_settings, summary_rows)
+from dpfl_lightning.lightning_compat import LightningRun
 from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
 from dpfl_lightning.payload import Aggregate
 from dpfl_lightning.plan import RoundPlan
@@ -46,7 +50,7 @@ from dpfl_lightning.run_setup import RunSetup, build_run, collect_mechanisms
 from dpfl_lightning.settings import check_trainer_settings
 
 HOOKS = ("before_round", "on_client_start", "on_before_optimizer_step", "wrap_optimizer", "on_client_end",
-         "on_aggregate", "on_server_update", "on_round_end", "on_fit_start", "on_fit_end")
+         "on_aggregate", "on_server_update", "on_round_end", "on_fit_start", "on_fit_end", "evaluation_params")
 
 
 class FederatedTrainer:
@@ -94,6 +98,22 @@ class FederatedTrainer:
             training loss the module logs, per-client evaluation, skipped clients, clipping
             statistics). ``None`` (default): only in runs without DP; ``True`` in a DP run is an
             explicit, unaccounted release, listed in the run's privacy statement.
+        gradient_clip_val / gradient_clip_algorithm: clip each client's local gradient at every local
+            optimizer step (``norm`` or ``value``), through the module's ``configure_gradient_clipping``
+            as ``lightning.Trainer`` does. Not DP clipping; refused with ``DPSGD`` and with manual
+            optimization.
+        accumulate_grad_batches: step the local optimizer every this many batches (and at the end of
+            each local epoch); refused with ``DPSGD`` and with manual optimization.
+        precision: ``32`` (default), ``bf16-mixed`` (CPU and CUDA) or ``16-mixed`` (CUDA only):
+            autocast around the module's steps; parameters and the global model stay fp32.
+        callbacks: Lightning callbacks, run at the round level (``ModelCheckpoint`` on a round
+            metric, ``EarlyStopping``, ``LearningRateMonitor``); they see only released metrics.
+            Callbacks that need lightning.Trainer's per-step loop are refused with the reason.
+        final_checkpoint: after ``fit``, write the global model to ``<checkpoint_dir>/final.ckpt`` as a
+            Lightning checkpoint (``MyModule.load_from_checkpoint`` loads it).
+
+    What Lightning's notions (epochs, global steps, LR schedulers, hooks) mean in a federated run is
+    written down in :mod:`dpfl_lightning.lightning_compat`.
     """
 
     def __init__(
@@ -129,10 +149,17 @@ class FederatedTrainer:
         checkpoint_dir: str | None = None,
         executor: str = "sequential",
         log_client_metrics: bool | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+        accumulate_grad_batches: int = 1,
+        precision: str | int = "32",
+        callbacks: list[Callback] | None = None,
+        final_checkpoint: bool = False,
     ) -> None:
-        args = {k: v for k, v in locals().items() if k not in ("self", "plugins", "loggers", "algorithm")}
+        args = {k: v for k, v in locals().items() if k not in ("self", "plugins", "loggers", "algorithm", "callbacks")}
         self.hparams = dict(args, plugins=[repr(p) for p in plugins or []],
-                            algorithm=repr(algorithm) if algorithm is not None else None)
+                            algorithm=repr(algorithm) if algorithm is not None else None,
+                            callbacks=[type(c).__name__ for c in callbacks or []])
         s = check_trainer_settings(args)
         require(executor in EXECUTORS, "trainer.executor", executor, "unknown executor", f"use one of {', '.join(EXECUTORS)}")
         for name, value in s.items():
@@ -144,6 +171,7 @@ class FederatedTrainer:
         self.communicator_kind = communicator
         self.run_name = run_name or (getattr(algorithm, "name", None) or "dpfl")
         self.extra_loggers = list(loggers or [])
+        self.callbacks: list[Callback] = list(callbacks or [])
         self.checkpoint_dir = checkpoint_dir or os.path.join(log_dir, self.run_name, "checkpoints")
         preset = list(algorithm.plugins()) if algorithm is not None else []
         self.plugins: list[FederatedCallback] = sorted(preset + list(plugins or []), key=lambda p: p.order)
@@ -216,8 +244,20 @@ class FederatedTrainer:
         state = ckpt.load(ckpt_path) if ckpt_path else None
         if self.comm is None:
             self.comm = make_communicator(self.communicator_kind, "cuda" if self._wants_cuda() else "cpu")
+        lightning_run = LightningRun(self, module, data)
+        try:  # teardown, also after a failed set-up or round: the user's module is left clean
+            self._fit(module, data, state, lightning_run)
+        except BaseException as exc:
+            lightning_run.teardown(exc)
+            raise
+        lightning_run.teardown(None)
+        return module
+
+    def _fit(self, module: FederatedLightningModule, data: FederatedDataModule, state: dict[str, Any] | None,
+             lightning_run: LightningRun) -> FederatedLightningModule:
         self.run = run = build_run(self, module, data)
         self.module, self.data = module, data
+        lightning_run.check()
         self._hooks = {h: [p for p in self.plugins if getattr(type(p), h) is not getattr(FederatedCallback, h)]
                        for h in HOOKS}
         self._bounders = [p for p in self.plugins if type(p).value_bound is not FederatedCallback.value_bound]
@@ -236,17 +276,21 @@ class FederatedTrainer:
         run.print_privacy_statement(self)
         t_fit = time.perf_counter()
         try:
+            lightning_run.fit_start(loggers, start)
             for r in range(start, self.rounds):
+                if self.should_stop:  # a callback stopped the run after the previous round
+                    break
                 plan, server = self._plan(r)
                 self.call_hook("before_round", plan=plan, server=server)
                 if self.should_stop:
                     break
                 plan.validate()
                 self.current_round = r
+                lightning_run.round_start(r)
                 metrics = self._round(plan, server)
+                row = lightning_run.round_end(r, metrics, self._kinds)  # released row; callbacks may stop the run
                 if r + 1 == self.rounds or self.should_stop:
-                    metrics.update(self._tagged(self._final_test(), "evaluation"))
-                row = run.releases.filter(metrics, self._kinds)
+                    row.update(run.releases.filter(self._tagged(self._final_test(), "evaluation"), self._kinds))
                 self.history.append(row)
                 for lg in loggers:
                     lg.log_metrics(row, step=r + 1)
@@ -254,12 +298,15 @@ class FederatedTrainer:
                 progress.update(row)
                 if self.checkpoint_every and ((r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds):
                     self.save_checkpoint(os.path.join(self.checkpoint_dir, f"round-{r + 1:06d}.ckpt"), r + 1)
+            lightning_run.train_end()
         finally:
             progress.close()
             module.load_global()  # on failure too: the module shows the global model, not a client's
             self.call_hook("on_fit_end", ctx=run.ctx)
         for lg in loggers:
             lg.finalize("success")
+        if self.final_checkpoint:
+            self.save_lightning_checkpoint(os.path.join(self.checkpoint_dir, "final.ckpt"))
         self.final_metrics = dict(self.history[-1]) if self.history else {}
         if self.enable_summary and self.is_global_zero:
             print_summary(f"{self.run_name}: done", self._summary(time.perf_counter() - t_fit, start))
@@ -311,7 +358,7 @@ class FederatedTrainer:
         self.call_hook("on_aggregate", server=server)
         if agg.denominator > 0:
             server.update = update = agg.update_sum.div_(agg.denominator)
-            if not bool(torch.isfinite(update).all()):
+            if not math.isfinite(float(update.sum())):  # one pass, no temporary: NaN/inf anywhere shows here
                 raise NonFiniteUpdateError(f"round {plan.round_idx + 1}: the aggregated update is not finite; nothing "
                                            "was applied. Fix: check the noise settings and the client learning rate")
             self.call_hook("on_server_update", server=server)
@@ -325,7 +372,9 @@ class FederatedTrainer:
             metrics.update(self._tagged(merge(comm.allgather_object(train_logs)), "unaccounted"))
         module.load_global()
         if (plan.round_idx + 1) % self.eval_every == 0 or plan.round_idx + 1 == self.rounds:
+            self._load_evaluation_params()
             metrics.update(self._evaluate())
+            module.load_global()
         for p in self._hooks["on_round_end"]:
             added: dict[str, float] = {}
             p.on_round_end(server=server, metrics=added)
@@ -423,8 +472,8 @@ class FederatedTrainer:
         module, data, comm = self.module, self.data, self.comm
         if not module.has_validation_step:
             return out
-        if data.has_test_set:
-            res = merge([module.evaluate(data.test_batches(), "validation")]) if comm.rank == 0 else None
+        if data.has_val_set:  # the DataModule's val_dataloader, else the test set
+            res = merge([module.evaluate(data.val_batches(), "validation")]) if comm.rank == 0 else None
             out.update(self._tagged(comm.broadcast_object(res, root=0) if comm.size > 1 else res, "evaluation"))
         if self.eval_per_client:
             mine = [c for c in range(data.num_clients) if self.owner(c) == comm.rank]
@@ -443,8 +492,19 @@ class FederatedTrainer:
         module.load_global()
         if not (module.has_test_step and data.has_test_set):
             return {}
+        self._load_evaluation_params()
         res = merge([module.evaluate(data.test_batches(), "test")]) if comm.rank == 0 else None
+        module.load_global()
         return comm.broadcast_object(res, root=0) if comm.size > 1 else res
+
+    def _load_evaluation_params(self) -> None:
+        """Let plugins choose the parameters evaluation sees (e.g. the average of the last iterates);
+        training continues from the global model."""
+        params = self.module.global_params
+        for p in self._hooks["evaluation_params"]:
+            params = p.evaluation_params(params=params)
+        if params is not self.module.global_params:
+            self.module.working.copy_(params)
 
     # ------------------------------------------------------------------ logging
     def _make_loggers(self, resume_round: int | None = None) -> list[Any]:
@@ -513,6 +573,26 @@ class FederatedTrainer:
             os.link(path, tmp)
             os.replace(tmp, last)
         self.comm.barrier()
+
+    def save_lightning_checkpoint(self, path: str, epoch: int | None = None, global_step: int | None = None) -> str:
+        """Write the global model as a Lightning checkpoint that ``MyModule.load_from_checkpoint(path)``
+        loads (rank 0 writes; every rank must call this). ``epoch`` defaults to the rounds done and
+        ``global_step`` to the reference client's steps by then (see :mod:`dpfl_lightning.export`)."""
+        module = getattr(self, "module", None)
+        require(module is not None, "save_lightning_checkpoint", path, "there is no trained model yet",
+                "call it after fit (or set final_checkpoint=True)")
+        done = int(self.history[-1].get("round", len(self.history))) if self.history else 0
+        epoch = done if epoch is None else epoch
+        if global_step is None:
+            global_step = done * module.loop.steps_reference
+        module.load_global()
+        if self.is_global_zero:
+            datamodule = getattr(self.data, "datamodule", None)
+            save_lightning_checkpoint(module.inner, path, epoch, global_step,
+                                      datamodule if hasattr(datamodule, "CHECKPOINT_HYPER_PARAMS_KEY") else None)
+        if self.comm is not None and self.comm.size > 1:
+            self.comm.barrier()
+        return path
 
     def _restore(self, state: dict[str, Any]) -> int:
         module, data = self.module, self.data

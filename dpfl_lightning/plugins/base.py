@@ -121,6 +121,12 @@ class FederatedCallback:
         """``server.update`` is the mean update (float64): scale it in place (global step sizes) or
         apply it (server optimizer)."""
 
+    def evaluation_params(self, *, params: torch.Tensor) -> torch.Tensor:
+        """The flat parameters evaluation should see, given ``params`` (the global model, or what a
+        plugin before chose): e.g. the average of the last two iterates (paper 002 App. G).
+        Training continues from the global model."""
+        return params
+
     def on_round_end(self, *, server: ServerContext, metrics: dict[str, float]) -> None:
         """The round is over; add what should be logged to ``metrics`` (declare it in
         :meth:`released_metrics`)."""

@@ -1,23 +1,31 @@
-"""Seconds per round: the framework against a minimal hand-written PyTorch loop (workload W1).
+"""Seconds per round: the framework against minimal hand-written PyTorch loops, in one table.
 
-W1: MLP 60-200-10 on synthetic 10-class data (paper 001's generator, d = 60), 1000 clients x 50
-samples, 50 clients per round (uniform without replacement), 1 local epoch, batch 10, SGD lr 0.1,
-update clipping at 1.0, central Gaussian noise with multiplier 1.0.
+The DP-FedAvg round of the performance issue: sample 50 of 1000 clients (uniform without
+replacement), 1 local epoch of batch 10 on 50 samples per client, SGD lr 0.1, update clipping at
+1.0, central Gaussian noise with multiplier 1.0.
 
-Both run in this process on the same data with the same torch threads; they alternate in blocks
-of rounds and the table reports the median round of each. The hand-written loop does the same
-work by hand: sample, copy the global weights in, a fresh SGD per client, shuffled batches, the
-update, clipping, summing, one noise draw, the global step.
+- W1: MLP 60-200-10 (14k parameters) on synthetic 10-class data (paper 001's generator, d = 60);
+- W2: CNN conv5-32, pool, conv5-64, pool, fc 1600-512-10 (0.88M parameters) on 3x32x32 inputs.
 
-The last row runs the same workload with ``executor="vmap"`` (clients of a round trained together).
+Rows: the hand-written loop (sample, copy the global weights in, a fresh SGD per client, shuffled
+batches, the update, clipping, summing, one noise draw, the global step); the framework with one
+rank; the framework with two MPI ranks (``mpiexec -n 2``, launched by this script; the hand loop is
+one process); the vectorised executor (``executor="vmap"``); a hand-written ``torch.func.vmap``
+loop. Every process uses ``--threads`` torch threads. Rounds after a warm-up; the table reports
+the median round and its ratio to the hand-written loop of the same workload, measured in the same
+run.
 
-    python benchmarks/round_overhead.py [--rounds 20] [--repeats 3] [--threads 2]
+    python benchmarks/round_overhead.py [--rounds 12] [--threads 1] [--workloads W1,W2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -25,19 +33,61 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lightning as L
 from dpfl_lightning import FederatedTrainer
 from dpfl_lightning.data import SyntheticLogistic
-from dpfl_lightning.models import MLPClassifier
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from dpfl_lightning import FederatedDataModule
 
 M, M_ROUND, SAMPLES, BATCH, LR, CLIP, Z = 1000, 50, 50, 10, 0.1, 1.0, 1.0
 
 
-def hand_written_rounds(data: SyntheticLogistic, rounds: int, seed: int) -> list[float]:
-    x, y = data._train_tensors
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(60, 200), nn.ReLU(), nn.Linear(200, 10))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 5), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1600, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+NETS = {"W1": mlp, "W2": cnn}
+
+
+class Classifier(L.LightningModule):
+    """What a user writes: the net, cross-entropy, SGD."""
+
+    def __init__(self, workload: str = "W1"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = NETS[workload]()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def make_data(workload: str) -> FederatedDataModule:
+    if workload == "W1":
+        data = SyntheticLogistic(num_clients=M, samples_per_client=SAMPLES, test_samples_per_client=0, dim=60)
+    else:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(M * SAMPLES, 3, 32, 32, generator=g)
+        y = torch.randint(0, 10, (M * SAMPLES,), generator=g)
+        data = FederatedDataModule.from_tensors(x, y, client_indices=[range(c * SAMPLES, (c + 1) * SAMPLES)
+                                                                      for c in range(M)])
+    data.setup()
+    return data
+
+
+def hand_written_rounds(data, workload: str, rounds: int, seed: int) -> list[float]:
+    x, y = data.in_memory_tensors
     client_idx = data._train_idx
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(60, 200), nn.ReLU(), nn.Linear(200, 10))
+    net = NETS[workload]()
     params = list(net.parameters())
     global_w = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(seed)
@@ -60,7 +110,7 @@ def hand_written_rounds(data: SyntheticLogistic, rounds: int, seed: int) -> list
                 opt.step()
             with torch.no_grad():
                 delta = [p - w for p, w in zip(params, global_w)]
-                norm = torch.linalg.vector_norm(torch.cat([d.flatten() for d in delta]))
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta]))
                 factor = min(1.0, CLIP / max(float(norm), 1e-12))
                 for t, d in zip(total, delta):
                     t.add_(d, alpha=factor)
@@ -71,42 +121,97 @@ def hand_written_rounds(data: SyntheticLogistic, rounds: int, seed: int) -> list
     return times
 
 
-def framework_rounds(data: SyntheticLogistic, rounds: int, seed: int, log_dir: str, executor: str = "sequential") -> list[float]:
-    model = MLPClassifier(in_features=60, hidden=[200], num_classes=10, lr=LR)
+def hand_written_vmap_rounds(data, workload: str, rounds: int, seed: int) -> list[float]:
+    """The same round with the cohort trained together: ``vmap(grad)`` over stacked parameters."""
+    x, y = data.in_memory_tensors
+    client_idx = torch.stack(data._train_idx)
+    torch.manual_seed(seed)
+    net = NETS[workload]()
+    names = [n for n, _ in net.named_parameters()]
+    global_w = {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    def loss(params, xb, yb):
+        return F.cross_entropy(torch.func.functional_call(net, params, (xb,)), yb)
+
+    grad = torch.func.vmap(torch.func.grad(loss))
+    g = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        cohort = torch.randperm(M, generator=g)[:M_ROUND]
+        params = {n: w.unsqueeze(0).repeat(M_ROUND, *([1] * w.dim())) for n, w in global_w.items()}
+        order = torch.argsort(torch.rand(M_ROUND, SAMPLES, generator=g), dim=1)
+        idx = torch.gather(client_idx[cohort], 1, order)
+        for i in range(0, SAMPLES, BATCH):
+            sel = idx[:, i : i + BATCH]
+            grads = grad(params, x[sel], y[sel])
+            for n in names:
+                params[n].sub_(grads[n], alpha=LR)
+        with torch.no_grad():
+            delta = {n: params[n] - global_w[n].unsqueeze(0) for n in names}
+            norms = torch.sqrt(sum((delta[n].reshape(M_ROUND, -1) ** 2).sum(1) for n in names))
+            factor = torch.clamp(CLIP / norms.clamp_min(1e-12), max=1.0)
+            for n in names:
+                s = (delta[n] * factor.view(-1, *([1] * (delta[n].dim() - 1)))).sum(0)
+                global_w[n].add_((s + Z * CLIP * torch.randn(s.shape, generator=g)) / M_ROUND)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def framework_rounds(data, workload: str, rounds: int, seed: int, executor: str = "sequential",
+                     communicator: str = "auto") -> list[float]:
     trainer = FederatedTrainer(rounds=rounds, clients_per_round=M_ROUND, local_epochs=1, batch_size=BATCH,
                                plugins=[UpdateClipping(CLIP), GaussianNoise(noise_multiplier=Z, placement="central")],
-                               eval_every=10**9, seed=seed, log_dir=log_dir, enable_progress_bar=False,
-                               enable_summary=False, executor=executor)
-    trainer.fit(model, data)
+                               eval_every=10**9, seed=seed, log_dir=tempfile.mkdtemp(), enable_progress_bar=False,
+                               enable_summary=False, executor=executor, communicator=communicator,
+                               num_threads=torch.get_num_threads())
+    trainer.fit(Classifier(workload), data)
     return trainer.round_times[:-1]  # the last round also evaluates
+
+
+def two_ranks(workload: str, rounds: int, threads: int) -> float:
+    """Median round of the framework under ``mpiexec -n 2`` (one process per rank)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker", workload,
+           "--rounds", str(rounds), "--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["median"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workloads", type=str, default="W1,W2")
+    ap.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    data = SyntheticLogistic(num_clients=M, samples_per_client=SAMPLES, test_samples_per_client=0, dim=60)
-    data.setup()
-    fw, hw, vm = [], [], []
-    with tempfile.TemporaryDirectory() as log_dir:
-        framework_rounds(data, 2, 99, log_dir)  # warm-up
-        framework_rounds(data, 2, 99, log_dir, "vmap")
-        hand_written_rounds(data, 2, 99)
-        for rep in range(args.repeats):
-            fw += framework_rounds(data, args.rounds, rep, log_dir)[1:]
-            hw += hand_written_rounds(data, args.rounds, rep)[1:]
-            vm += framework_rounds(data, args.rounds, rep, log_dir, "vmap")[1:]
-    f, h, v = statistics.median(fw), statistics.median(hw), statistics.median(vm)
-    print(f"W1: {M} clients x {SAMPLES} samples, {M_ROUND} clients/round, 1 epoch, batch {BATCH}, "
-          f"torch threads {torch.get_num_threads()}, {len(fw)} rounds each")
-    print(f"{'':<22}{'s/round (median)':>18}{'min':>10}{'max':>10}")
-    print(f"{'hand-written loop':<22}{h:>18.4f}{min(hw):>10.4f}{max(hw):>10.4f}")
-    print(f"{'dpfl_lightning':<22}{f:>18.4f}{min(fw):>10.4f}{max(fw):>10.4f}")
-    print(f"{'ratio (framework/hand)':<22}{f / h:>18.3f}")
-    print(f"{'dpfl_lightning, vmap':<22}{v:>18.4f}{min(vm):>10.4f}{max(vm):>10.4f}   (executor='vmap': {h / v:.2f}x faster than the hand-written loop)")
+    if args.worker:  # one rank of the two-rank row
+        times = framework_rounds(make_data(args.worker), args.worker, args.rounds + 1, 0)[1:]
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(json.dumps({"median": statistics.median(times)}))
+        return
+    print(f"DP-FedAvg round: {M_ROUND} of {M} clients x {SAMPLES} samples, 1 epoch of batch {BATCH}, clip {CLIP}, "
+          f"central z={Z}; torch {torch.__version__}, {args.threads} thread(s) per process, median of {args.rounds} rounds")
+    print(f"{'workload':<9}{'row':<34}{'s/round':>10}{'x hand loop':>13}")
+    for workload in args.workloads.split(","):
+        data = make_data(workload)
+        rows = {}
+        hand_written_rounds(data, workload, 1, 99)  # warm-up
+        rows["hand-written loop"] = statistics.median(hand_written_rounds(data, workload, args.rounds, 0))
+        rows["dpfl_lightning, 1 rank"] = statistics.median(framework_rounds(data, workload, args.rounds + 2, 0)[1:])
+        rows["dpfl_lightning, 2 ranks (mpiexec)"] = two_ranks(workload, args.rounds, args.threads)
+        try:
+            rows["dpfl_lightning, vmap, 1 rank"] = statistics.median(
+                framework_rounds(data, workload, args.rounds + 2, 0, "vmap")[1:])
+        except Exception as exc:  # noqa: BLE001 - the table says why
+            rows[f"dpfl_lightning, vmap: refused ({type(exc).__name__})"] = float("nan")
+        rows["hand-written vmap loop"] = statistics.median(hand_written_vmap_rounds(data, workload, args.rounds, 0))
+        base = rows["hand-written loop"]
+        for name, t in rows.items():
+            print(f"{workload:<9}{name:<34}{t:>10.4f}{t / base:>13.3f}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ SERVER_CLIENT = -1  # the "client" of draws that belong to the server
 # Purposes whose draws a DP guarantee relies on: secure mode draws them from the CSPRNG.
 PRIVATE_PURPOSES = frozenset({SAMPLING, CLIENT_NOISE, CENTRAL_NOISE, RECORD_SAMPLING, RECORD_NOISE, COIN})
 
+NOISE_BLOCK = 1 << 22  # normals drawn per block when noise is added in place
 _MT_WORDS = 624
 _STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) since torch 1.x
 
@@ -136,8 +137,12 @@ class Stream:
         raise NotImplementedError
 
     def add_normal_(self, x: torch.Tensor, std: float) -> torch.Tensor:
-        """``x += N(0, std^2 I)`` in place."""
-        return x.add_(self.normal(x.shape, 1.0, x.device, x.dtype), alpha=std)
+        """``x += N(0, std^2 I)`` in place (in blocks of :data:`NOISE_BLOCK` values)."""
+        flat = x.view(-1)
+        for lo in range(0, flat.numel(), NOISE_BLOCK):
+            part = flat[lo : lo + NOISE_BLOCK]
+            part.add_(self.normal(part.shape, 1.0, x.device, x.dtype), alpha=std)
+        return x
 
     def randperm(self, n: int) -> torch.Tensor:
         """A uniformly random permutation of ``range(n)`` (int64, CPU)."""
@@ -172,7 +177,12 @@ class TorchStream(Stream):
 
     def add_normal_(self, x: torch.Tensor, std: float) -> torch.Tensor:
         g = self.generator if x.device.type == self.device.type else torch_generator(self.key, x.device)
-        return x.add_(torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype), alpha=std)
+        flat = x.view(-1)
+        dtype = torch.float32 if x.dtype == torch.float64 else x.dtype  # float32 draws: half the work
+        for lo in range(0, flat.numel(), NOISE_BLOCK):  # blocks: no temporary the size of a large model
+            part = flat[lo : lo + NOISE_BLOCK]
+            part.add_(torch.randn(part.shape, generator=g, device=x.device, dtype=dtype), alpha=std)
+        return x
 
     def randperm(self, n: int) -> torch.Tensor:
         return torch.randperm(n, generator=self.cpu_generator)

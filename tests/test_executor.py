@@ -73,3 +73,32 @@ def test_vmap_matches_sequential_with_dp_plugins_and_a_coin(log_dir):
                           plugins=[Coin(0.5), UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.5, placement="local")])
         out[ex] = t.fit(TinyClassifier(), tiny_data()).global_params
     assert torch.allclose(out["vmap"], out["sequential"], atol=1e-5)
+
+
+class WithDropout(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+
+class UpdatesAMetric(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.train_acc = MulticlassAccuracy(10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc)
+        return F.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("model,match", [(WithDropout, "random"), (UpdatesAMetric, "cannot be vectorised")])
+def test_vmap_refuses_at_setup_what_fails_inside_vmap(log_dir, model, match):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap")
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(model(), tiny_data())
+    quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(model(), tiny_data())  # the sequential executor runs it

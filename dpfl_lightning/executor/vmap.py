@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torchmetrics import Metric
 
+from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.executor.base import Executor, RoundWork
-from dpfl_lightning.module import ClientRun, batch_size_of, parse_optimizers
+from dpfl_lightning.module import ClientRun, parse_optimizers
 
 
 # Optimizers whose update is elementwise: running one on parameters stacked over clients is the
@@ -112,6 +115,29 @@ class VmapExecutor(Executor):
         self._shapes = [p.shape for p in self._params]
         self._slices = module.parameter_slices
         self._fn = torch.func.vmap(torch.func.grad_and_value(self._loss, has_aux=True), randomness="error")
+        self._trial(module, data)
+
+    def _trial(self, module, data) -> None:
+        """One vectorised step on two copies of a real batch, at set-up: what vmap cannot run
+        (dropout and other random ops, metric updates, data-dependent control flow) is refused now,
+        with the reason, instead of failing at the first step."""
+        idx = data.client_indices(0)[:2]
+        batch = tuple(torch.stack([t[idx], t[idx]]) for t in data.in_memory_tensors)
+        params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
+        was_training = module.inner.training
+        module.inner.train()
+        try:
+            self._fn(params, batch)
+        except Exception as exc:  # noqa: BLE001 - any failure of the vectorised step is a refusal
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            hint = " (dropout or another random op in training_step)" if "random" in first.lower() else ""
+            raise ConfigError("trainer.executor", "vmap", f"the module's training_step cannot be vectorised{hint}: "
+                              f"{type(exc).__name__}: {first[:200]}", "use executor='sequential'") from None
+        finally:
+            module.inner.train(was_training)
+            for m in module.inner.modules():  # a metric updated by the trial forgets it
+                if isinstance(m, Metric):
+                    m.reset()
 
     def _loss(self, params: dict[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = tuple(t.unsqueeze(0) if t.dim() == 0 else t for t in batch) if isinstance(batch, tuple) else batch
@@ -129,34 +155,59 @@ class VmapExecutor(Executor):
                 chunk = positions[start : start + size]
                 yield from self._train_chunk(work, chunk)
 
+    def _orders(self, work: RoundWork, clients: list[int], n: int) -> tuple[torch.Tensor, int, int]:
+        """Every client's record order for the round, ``[clients, passes * n]``: the same permutations,
+        drawn from the same keyed streams, as :meth:`FederatedDataModule.client_batches` (so vmap and
+        sequential train on the same batches); plus the batch size and the number of steps."""
+        plan, data = work.plan, work.data
+        bs = n if not plan.batch_size else min(plan.batch_size, n)
+        per_epoch = math.ceil(n / bs)
+        steps = plan.local_steps if plan.local_steps is not None else plan.local_epochs * per_epoch
+        passes = math.ceil(steps / per_epoch)
+        rows = []
+        for c in clients:
+            idx = data.client_indices(c)
+            if bs < n:
+                g = work.random.stream(plan.round_idx, c, rng.DATA).generator
+                perms = [torch.randperm(n, generator=g) for _ in range(passes)]
+                rows.append(torch.cat([idx[p if idx.device.type == "cpu" else p.to(idx.device)] for p in perms]))
+            else:
+                rows.append(idx.repeat(passes))
+        return torch.stack(rows), bs, steps
+
     def _train_chunk(self, work: RoundWork, positions: list[int]) -> Iterator:
-        module, plan = work.module, work.plan
+        module, plan, data = work.module, work.plan, work.data
         clients = [work.clients[k] for k in positions]
-        n = len(clients)
+        n_clients = len(clients)
         contexts = [work.open_client(c) for c in clients]
-        flat = module.global_params.unsqueeze(0).repeat(n, 1)  # [n, d]: every client starts at the global model
-        params = [flat[:, o : o + size].view(n, *shape) for (o, size), shape in zip(self._slices, self._shapes)]
+        flat = module.global_params.unsqueeze(0).repeat(n_clients, 1)  # every client starts at the global model
+        params = [flat[:, o : o + size].view(n_clients, *shape) for (o, size), shape in zip(self._slices, self._shapes)]
         groups = [dict(h, params=[], lr=h["lr"] * plan.lr_factor) for h in self._group_hparams]
         for p, orig in zip(params, self._params):
             groups[self._group_of[id(orig)]]["params"].append(p)
         opt = self._opt_class([g for g in groups if g["params"]])
-        streams = [work.batches(c) for c in clients]
+        n = data.client_num_samples(clients[0])
+        orders, bs, steps = self._orders(work, clients, n)
+        tensors = data.in_memory_tensors
+        per_epoch = math.ceil(n / bs)
         logged = module.logged
         module.set_round(plan.round_idx)
-        steps = samples = 0
-        for items in zip(*streams):
-            self._step.batch_idx = items[0][1]
-            batch = tuple(torch.stack(parts) for parts in zip(*(b for _, _, b in items)))
-            grads, (_, logs) = self._fn(dict(zip(self._names, params)), batch)
+        named = dict(zip(self._names, params))
+        samples = 0
+        for s in range(steps):
+            epoch, b = divmod(s, per_epoch)
+            sel = orders[:, epoch * n + b * bs : epoch * n + min((b + 1) * bs, n)]
+            batch = tuple(t[sel] for t in tensors)
+            self._step.batch_idx = b
+            grads, (_, logs) = self._fn(named, batch)
             for p, name in zip(params, self._names):
                 p.grad = grads[name]
             opt.step()
-            bs = batch_size_of(items[0][2])
+            size = sel.shape[1]
             for name, values in logs.items():
                 for v in values:
-                    logged.log(name, v, batch_size=bs)
-            steps += 1
-            samples += bs
+                    logged.log(name, v, batch_size=size)
+            samples += size
         lr = float(opt.param_groups[0]["lr"])
         for j, k in enumerate(positions):
             torch.sub(flat[j], module.global_params, out=work.out(k))

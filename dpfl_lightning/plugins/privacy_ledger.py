@@ -67,7 +67,9 @@ class PrivacyLedger(FederatedCallback):
         self.method_notes: dict[str, str] = {}
         self._cache: dict[tuple[int, int, int], float] = {}
         self._saved: dict[str, Any] | None = None
-        self._pending: dict[str, np.ndarray] = {}
+        self._pending = None
+        self._profile_of: dict[str, np.ndarray] = {}
+        self._busiest: dict[str, list[int]] = {}  # per-client guarantees: the busiest client of each profile
         self._planner = None
         self._sampler = None
         self._random = None
@@ -93,10 +95,24 @@ class PrivacyLedger(FederatedCallback):
                                   f"{g.granularity}-level DP over {n} {g.granularity}s needs delta well below 1/{n} "
                                   f"(a mechanism that publishes one {g.granularity} in full would meet delta >= 1/{n})",
                                   f"set delta <= {default_delta(n):g}")
+        M = ctx.data.num_clients
         for g in self.guarantees:
-            if g.per_client and g.name not in self.counts:
-                self.counts[g.name] = np.zeros(ctx.data.num_clients, dtype=np.int64)
+            if not g.per_client:
+                continue
+            if g.name not in self.counts:
+                self.counts[g.name] = np.zeros(M, dtype=np.int64)
                 self.max_steps[g.name] = 0
+            profile_of = np.zeros(M, dtype=np.int64)  # which profile each client belongs to
+            for k, p in enumerate(g.profiles):
+                if p.clients is not None:
+                    profile_of[list(p.clients)] = k
+            self._profile_of[g.name] = profile_of
+            self._busiest[g.name] = self._maxima(g, self.counts[g.name])
+
+    def _maxima(self, g: Guarantee, counts: np.ndarray) -> list[int]:
+        """The most compositions of any client of each profile of ``g`` (O(clients): at set-up)."""
+        of = self._profile_of[g.name]
+        return [int(counts[of == k].max(initial=0)) for k in range(len(g.profiles))]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [MetricRelease("epsilon", "public", "PrivacyLedger", "the main guarantee's epsilon"),
@@ -123,7 +139,7 @@ class PrivacyLedger(FederatedCallback):
             self._cache[key] = res.epsilon
         return self._cache[key]
 
-    def _profile_compositions(self, g: Guarantee, k: int, rounds: int, counts: np.ndarray | None) -> int:
+    def _profile_compositions(self, g: Guarantee, k: int, rounds: int, busiest: list[int] | None) -> int:
         p = g.profiles[k]
         if not g.per_client:
             return rounds
@@ -131,16 +147,17 @@ class PrivacyLedger(FederatedCallback):
             steps = max(self.max_steps.get(g.name, 0),
                         self._planner.steps_for(p.record.records) if p.record is not None else 1)
             return self._planner.busiest(p.clients, rounds, self.delta) * steps
-        return int(counts.max() if p.clients is None else counts[list(p.clients)].max())
+        return busiest[k]
 
-    def epsilons(self, rounds: int | None = None, counts: dict[str, np.ndarray] | None = None) -> dict[str, float]:
-        """Epsilon of every guarantee after ``rounds`` rounds with composition ``counts`` (default:
-        what the ledger has recorded); per-client guarantees report the worst client."""
+    def epsilons(self, rounds: int | None = None, busiest: dict[str, list[int]] | None = None) -> dict[str, float]:
+        """Epsilon of every guarantee after ``rounds`` rounds, with ``busiest`` the most compositions
+        of a client of each profile of every per-client guarantee (default: what the ledger has
+        recorded): per-client guarantees report the worst client."""
         rounds = self.rounds if rounds is None else rounds
-        counts = self.counts if counts is None else counts
+        busiest = self._busiest if busiest is None else busiest
         out = {}
         for i, g in enumerate(self.guarantees):
-            out[g.name] = max((self._eps(i, k, self._profile_compositions(g, k, rounds, counts.get(g.name)))
+            out[g.name] = max((self._eps(i, k, self._profile_compositions(g, k, rounds, busiest.get(g.name)))
                                for k in range(len(g.profiles))), default=0.0)
         return out
 
@@ -157,16 +174,13 @@ class PrivacyLedger(FederatedCallback):
     def planned_epsilons(self, rounds: int) -> dict[str, float]:
         """What the ledger will report after ``rounds`` rounds from the start, with the default
         round plan (cohorts are keyed by the seed in a simulation)."""
-        counts = {}
+        busiest = {}
         for g in self.guarantees:
             if g.per_client and not self.secure:
-                c = np.zeros_like(self.counts[g.name])
-                for p in g.profiles:
-                    idx = slice(None) if p.clients is None else list(p.clients)
-                    steps = self._planner.steps_for(p.record.records) if p.record is not None else 1
-                    c[idx] = self._planner.counts(rounds)[idx] * steps
-                counts[g.name] = c
-        return self.epsilons(rounds, counts)
+                planned = self._planner.counts(rounds)
+                steps = [self._planner.steps_for(p.record.records) if p.record is not None else 1 for p in g.profiles]
+                busiest[g.name] = [m * s for m, s in zip(self._maxima(g, planned), steps)]
+        return self.epsilons(rounds, busiest)
 
     def describe(self) -> list[str]:
         lines = []
@@ -186,30 +200,34 @@ class PrivacyLedger(FederatedCallback):
         return lines
 
     # ------------------------------------------------------------------ hooks
-    def _with_round(self, plan) -> dict[str, np.ndarray]:
-        """The composition counts after ``plan``'s round."""
+    def _round_members(self, plan) -> dict[str, list[tuple[np.ndarray, int]]]:
+        """For each per-client guarantee and each of its profiles: the members of ``plan``'s cohort
+        and the compositions a participation makes under the plan (O(cohort))."""
+        cohort = np.asarray(plan.cohort, dtype=np.int64)
         out = {}
         for g in self.guarantees:
-            if not g.per_client:
-                continue
-            c = self.counts[g.name].copy()
-            for p in g.profiles:
-                members = list(plan.cohort) if p.clients is None else sorted(set(plan.cohort) & set(p.clients))
-                c[members] += plan.steps_for(p.record.records) if p.record is not None else 1
-            out[g.name] = c
+            if g.per_client:
+                of = self._profile_of[g.name][cohort]
+                out[g.name] = [(cohort[of == k], plan.steps_for(p.record.records) if p.record is not None else 1)
+                               for k, p in enumerate(g.profiles)]
         return out
 
-    def _round_steps(self, plan) -> dict[str, int]:
-        return {g.name: max(plan.steps_for(p.record.records) if p.record is not None else 1 for p in g.profiles)
-                for g in self.guarantees if g.per_client}
+    def _busiest_after(self, members: dict[str, list[tuple[np.ndarray, int]]]) -> dict[str, list[int]]:
+        out = {}
+        for name, parts in members.items():
+            counts = self.counts[name]
+            out[name] = [max(cur, int(counts[m].max()) + steps) if len(m) else cur
+                         for cur, (m, steps) in zip(self._busiest[name], parts)]
+        return out
 
     def _over_budget(self, plan) -> float | None:
         if self.budget is None or not self.guarantees:
             return None
+        members = self._round_members(plan)
         saved = dict(self.max_steps)
-        for name, steps in self._round_steps(plan).items():
-            self.max_steps[name] = max(self.max_steps[name], steps)
-        eps = self.epsilons(self.rounds + 1, self._with_round(plan))[self.main]
+        for name, parts in members.items():
+            self.max_steps[name] = max(self.max_steps[name], max(steps for _, steps in parts))
+        eps = self.epsilons(self.rounds + 1, self._busiest_after(members))[self.main]
         self.max_steps = saved
         return eps if eps > self.budget else None
 
@@ -219,8 +237,7 @@ class PrivacyLedger(FederatedCallback):
             server.stop(f"privacy budget: round {plan.round_idx + 1} would reach epsilon {eps:.4g} > budget "
                         f"{self.budget:g} (delta={self.delta:g}); stopped after {self.rounds} rounds")
             return
-        self._pending = self._with_round(plan)
-        self._pending_steps = self._round_steps(plan)
+        self._pending = plan
 
     def on_fit_start(self, *, ctx) -> None:
         if self._saved is not None and self._saved.get("releases") != self._releases():
@@ -233,9 +250,12 @@ class PrivacyLedger(FederatedCallback):
         if not self.guarantees:
             return
         self.rounds += 1
-        self.counts.update(self._pending)
-        for name, steps in getattr(self, "_pending_steps", {}).items():
-            self.max_steps[name] = max(self.max_steps[name], steps)
+        members = self._round_members(self._pending)
+        self._busiest.update(self._busiest_after(members))
+        for name, parts in members.items():
+            for m, steps in parts:
+                self.counts[name][m] += steps
+            self.max_steps[name] = max(self.max_steps[name], max(steps for _, steps in parts))
         eps = self.epsilons()
         metrics["epsilon"] = eps[self.main]
         for name, value in eps.items():
@@ -265,5 +285,8 @@ class PrivacyLedger(FederatedCallback):
         self.rounds = int(state["rounds"])
         self.counts = {k: np.asarray(v, dtype=np.int64).copy() for k, v in state["counts"].items()}
         self.max_steps = dict(state.get("max_steps", {}))
+        for g in self.guarantees:
+            if g.per_client and g.name in self._profile_of:
+                self._busiest[g.name] = self._maxima(g, self.counts[g.name])
         self._saved = state
         self._cache.clear()

@@ -18,6 +18,7 @@ from dpfl_lightning.errors import require
 from dpfl_lightning.plugins.base import ORDER_SERVER_OPTIMIZER, FederatedCallback
 
 OPTIMIZERS = ("sgd", "adam", "adagrad")
+_BLOCK = 1 << 20
 
 
 class ServerOptimizer(FederatedCallback):
@@ -74,6 +75,12 @@ class ServerOptimizer(FederatedCallback):
         assert self._opt is not None
         for group in self._opt.param_groups:
             group["lr"] = self.lr * self.lr_decay**server.round_idx
+        if self.optimizer == "sgd" and self.momentum == 0 and self.weight_decay == 0:
+            # plain SGD, x <- x + lr * update, in one pass (the update stays float64 until the add)
+            lr, param, update = self._opt.param_groups[0]["lr"], self._param.detach(), server.update
+            for i in range(0, update.numel(), _BLOCK):  # blocks: a mixed-dtype add of a large model is slow
+                param[i : i + _BLOCK].add_(update[i : i + _BLOCK].to(param.dtype), alpha=lr)
+            return
         self._param.grad = server.update.to(self._param.dtype).neg_()
         self._opt.step()
         self._param.grad = None

@@ -215,6 +215,18 @@ def add_privacy_subcommands(p: ArgumentParser) -> None:
     plan.add_argument("--records", type=int, default=4000, help="paper 001: records per user R")
     plan.add_argument("--client_rate", type=float, default=0.05, help="paper 001: user sampling ratio l")
     sub.add_subcommand("plan", plan, help="largest number of rounds for each (noise, local steps) at a target epsilon")
+    theory = DpflArgumentParser(description="Paper 000 Corollary 1: the step size, communication probability and "
+                                "iterations that minimise DP-ScaffNew's Theorem 1 bound.")
+    theory.add_argument("--mu", type=float, required=True, help="strong convexity of every client's loss")
+    theory.add_argument("--L", type=float, required=True, help="smoothness of every client's loss (L > mu)")
+    theory.add_argument("--epsilon", type=float, required=True, help="the local DP budget epsilon")
+    theory.add_argument("--delta", type=float, required=True, help="the local DP budget delta")
+    theory.add_argument("--C", type=float, required=True, help="the clipping threshold")
+    theory.add_argument("--N", type=int, required=True, help="number of clients")
+    theory.add_argument("--d", type=int, required=True, help="number of parameters")
+    theory.add_argument("--psi0", type=float, required=True, help="the initial Lyapunov value psi_0")
+    theory.add_argument("--v", type=float, default=1.0, help="Lemma 1's constant (the paper leaves it open)")
+    sub.add_subcommand("theory", theory, help="DP-ScaffNew's optimal eta, p and T (paper 000 Corollary 1)")
 
 
 def _sampling_arguments(p: ArgumentParser) -> None:

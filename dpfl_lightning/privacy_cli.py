@@ -16,6 +16,7 @@ from dpfl_lightning.privacy.calibrate import max_steps
 from dpfl_lightning.privacy.guarantees import default_delta, guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.privacy.planning import PrivacyPlanner
+from dpfl_lightning.privacy.theory import scaffnew_optimal
 from dpfl_lightning.rng import RandomSource
 from dpfl_lightning.run_setup import prepare_privacy, setup_plugins
 from dpfl_lightning.sampling import ClientSampler
@@ -118,5 +119,8 @@ def run(parser: Any, cfg: Any) -> None:
         _print_epsilon(init.trainer, ledger)
     elif pcfg.privacy_command == "calibrate":
         _calibrate(pcfg.calibrate)
+    elif pcfg.privacy_command == "theory":
+        t = pcfg.theory
+        print(scaffnew_optimal(t.mu, t.L, t.epsilon, t.delta, t.C, t.N, t.d, t.psi0, t.v).describe())
     else:
         _plan(pcfg.plan)

@@ -1,0 +1,91 @@
+"""Paper 001 (DP-SCAFFOLD) on its synthetic(alpha, beta) data (App. D.2), logistic regression.
+
+``--study compare``: DP-SCAFFOLD-warm against DP-FedAvg (DP-SGD clients, paper 001 Alg. 2) under
+heterogeneity, l = s = 0.2, sigma_g = 60, K = 50, with fewer rounds than the paper's T = 400;
+test accuracy over seeds. The claim: DP-SCAFFOLD is clearly better.
+
+``--study table1``: the shape of Table 1 for sigma_g = 40 (l = 0.05, s = 0.2): for each K the number
+of rounds T that the paper's accountant allows at epsilon = 3 (``paper001.max_rounds``), then the
+test accuracy of DP-SCAFFOLD-warm after those T rounds. The paper sees a peak at K = 5-20 and a
+collapse at K = 40.
+
+Paper 001's noise ``(2C / sR) N(0, sigma_g^2)`` on the mean clipped gradient is DP-SGD's noise
+multiplier ``z = 2 sigma_g`` (std ``z C`` on the sum, divided by the batch size ``sR``); local step
+size ``eta_l = eta_0 / (s K)``, global step size 1, batches of ``sR`` records without replacement.
+
+    python benchmarks/paper001_scaffold.py --study compare [--seeds 3] [--rounds 30]
+    python benchmarks/paper001_scaffold.py --study table1 [--seeds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+import torch
+
+from dpfl_lightning import FederatedTrainer
+from dpfl_lightning.algorithms import DPSCAFFOLD, PFL
+from dpfl_lightning.data import SyntheticLogistic
+from dpfl_lightning.models import MLPClassifier
+from dpfl_lightning.privacy import paper001
+
+M, R, R_TEST, DIM = 100, 4000, 1000, 40
+
+
+def run(algorithm: str, sigma_g: float, K: int, rounds: int, l: float, s: float, eta0: float, seed: int,
+        alpha: float, beta: float) -> float:
+    data = SyntheticLogistic(num_clients=M, samples_per_client=R, test_samples_per_client=R_TEST // 10, dim=DIM,
+                             alpha=alpha, beta=beta, seed=0)
+    z = 2 * sigma_g
+    if algorithm == "dp_scaffold_warm":
+        alg = DPSCAFFOLD(noise_multiplier=z, max_grad_norm=1.0, sampling="fixed", warm_start=True,
+                         warm_start_rounds=1)
+    else:
+        alg = PFL(noise_multiplier=z, max_grad_norm=1.0, sampling="fixed")
+    trainer = FederatedTrainer(rounds=rounds, clients_per_round=int(l * M), local_steps=K, batch_size=int(s * R),
+                               algorithm=alg, seed=seed, eval_every=10**9, log_dir=tempfile.mkdtemp(),
+                               enable_progress_bar=False, enable_summary=False)
+    torch.manual_seed(seed)
+    model = MLPClassifier(in_features=DIM, hidden=[], num_classes=10, lr=eta0 / (s * K))
+    trainer.fit(model, data)
+    return trainer.history[-1]["val_acc"]
+
+
+def compare(args) -> None:
+    print(f"synthetic({args.alpha:g}, {args.beta:g}), M={M}, R={R}, l=s=0.2, sigma_g=60 (z=120), K=50, "
+          f"T={args.rounds} (paper: 400), eta_l = {args.eta0:g}/(sK); test accuracy over {args.seeds} seeds")
+    for alg in ("dp_fedavg", "dp_scaffold_warm"):
+        accs = [run(alg, 60.0, 50, args.rounds, 0.2, 0.2, args.eta0, seed, args.alpha, args.beta)
+                for seed in range(args.seeds)]
+        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        print(f"{alg:<18}{statistics.mean(accs):.3f} +- {sd:.3f}   {['%.3f' % a for a in accs]}", flush=True)
+
+
+def table1(args) -> None:
+    ks = (1, 5, 10, 20, 40)
+    ts = {k: paper001.max_rounds(3.0, 40.0, k, l=0.05, s=0.2, R=R, M=M) for k in ks}
+    print(f"Table 1 shape, sigma_g=40 (z=80), l=0.05, s=0.2, eps=3 by paper 001's accountant: T per K = {ts}")
+    for k in ks:
+        accs = [run("dp_scaffold_warm", 40.0, k, ts[k], 0.05, 0.2, args.eta0, seed, args.alpha, args.beta)
+                for seed in range(args.seeds)] if ts[k] > 1 else []
+        mean = statistics.mean(accs) if accs else float("nan")
+        print(f"K={k:<3} T={ts[k]:<4} accuracy {mean:.3f}   {['%.3f' % a for a in accs]}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--study", choices=("compare", "table1"), default="compare")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--eta0", type=float, default=1.0)
+    ap.add_argument("--alpha", type=float, default=5.0)
+    ap.add_argument("--beta", type=float, default=5.0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    (compare if args.study == "compare" else table1)(args)
+
+
+if __name__ == "__main__":
+    main()

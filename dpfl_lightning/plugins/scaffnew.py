@@ -1,0 +1,113 @@
+"""ScaffNew (Mishchenko et al. 2022) and DP-ScaffNew (paper 000, Alg. 2).
+
+Every client ``i`` holds a control variate ``h_i`` with ``sum_i h_i = 0``. Each local iteration is
+``x_hat = x - eta (g - h_i)`` (line 6), and after it a coin shared by all clients, 1 with
+probability ``p`` (line 3), decides whether they communicate. A round of this framework is the
+stretch of iterations between two communications: its number of local steps is drawn from the
+shared coin -- the number of flips up to the first 1, ``Geometric(p)`` -- through the round plan,
+keyed by (seed, round) so that every client and every rank draws the same. On communication:
+
+- each client sends ``D_i = clip(x_hat_i - x) + N(0, sigma^2 I)`` (line 8: the bounding and noise
+  plugins, ``UpdateClipping`` and local ``GaussianNoise``);
+- ``x <- x + mean D`` (line 9: the server optimizer, SGD with lr 1);
+- ``h_i <- h_i + (p / eta)(mean D - D_i)`` with the *noisy* ``D_i`` (line 10), so that the ``h_i``
+  keep summing to zero (up to float64 rounding: each update adds ``(p/eta)(N mean D - sum D_i)``).
+
+Every client takes part in every round (Alg. 2 is full participation). Privacy: what leaves a
+client is ``D_i``, clipped and noised by the configured plugins (local DP towards the server);
+``h_i`` is a function of released ``D``s (post-processing) and costs nothing. The ledger accounts
+one release per communication, the rounds that happened. Local training must be plain SGD.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from dpfl_lightning import rng
+from dpfl_lightning.errors import require
+from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.scaffold import FlatGrads, check_plain_sgd
+from dpfl_lightning.releases import MetricRelease
+
+
+def geometric_steps(u: float, p: float) -> int:
+    """The number of coin flips up to and including the first 1, for a uniform ``u`` in [0, 1)."""
+    if p >= 1.0:
+        return 1
+    return 1 + int(math.floor(math.log1p(-u) / math.log1p(-p)))
+
+
+class ScaffNew(FederatedCallback):
+    """ScaffNew / DP-ScaffNew's control variates and shared coin (see the module docstring).
+
+    Args:
+        p: the probability of communicating after a local step (paper 000: ``p* = sqrt(mu/L)``).
+        max_local_steps: cap on one round's local steps (``None``: none); the cap changes the
+            algorithm, so leave it unset to follow Alg. 2.
+    """
+
+    order = ORDER_ADD_NOISE + 50  # its on_client_end reads the noisy D_i
+
+    def __init__(self, p: float, max_local_steps: int | None = None) -> None:
+        require(isinstance(p, (int, float)) and 0 < p <= 1, "ScaffNew.p", p, "must be in (0, 1]",
+                "set the communication probability p, e.g. sqrt(mu / L)")
+        require(max_local_steps is None or max_local_steps >= 1, "ScaffNew.max_local_steps", max_local_steps,
+                "must be >= 1", "leave it unset")
+        self.p = float(p)
+        self.max_local_steps = max_local_steps
+        self.steps: list[int] = []
+
+    def setup(self, *, ctx) -> None:
+        require(ctx.sampler.kind == "full", "trainer.sampling", ctx.sampler.kind,
+                "ScaffNew (paper 000 Alg. 2) runs every client in every round", "leave clients_per_round unset")
+        self.num_clients = ctx.data.num_clients
+        if ctx.module is not None:
+            self._grads = FlatGrads(ctx.module.parameter_list, ctx.module.parameter_slices)
+            self._d = ctx.module.num_parameters
+            self._device = ctx.device
+
+    def released_metrics(self, *, ctx) -> list[MetricRelease]:
+        return [MetricRelease("local_steps", "public", "ScaffNew", "this round's steps, drawn from the shared coin")]
+
+    def before_round(self, *, plan, server) -> None:
+        u = server.random.stream(plan.round_idx, rng.SERVER_CLIENT, rng.COIN).uniform(1).item()
+        steps = geometric_steps(u, self.p)
+        if self.max_local_steps is not None:
+            steps = min(steps, self.max_local_steps)
+        plan.local_steps, plan.local_epochs = steps, None
+        self._round_steps = steps
+
+    def on_client_start(self, *, client) -> None:
+        if "h" not in client.state:
+            client.state["h"] = torch.zeros(self._d, dtype=torch.float64, device=self._device)
+        client.scratch["scaffnew_h"] = (-client.state["h"]).to(torch.float32)  # g - h_i
+
+    def wrap_optimizer(self, *, client, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        check_plain_sgd("ScaffNew", optimizer)
+        inner = getattr(optimizer, "original_optimizer", None)
+        if inner is not None:  # DP-SGD: shift its noisy gradient
+            inner.register_step_pre_hook(lambda opt, args, kwargs: self._grads.add_(client.scratch["scaffnew_h"]))
+        client.scratch["scaffnew_dp"] = inner is not None
+        return optimizer
+
+    def on_before_optimizer_step(self, *, client, optimizer: torch.optim.Optimizer) -> None:
+        if not client.scratch.get("scaffnew_dp"):
+            self._grads.add_(client.scratch["scaffnew_h"])
+
+    def on_client_end(self, *, client) -> None:
+        # D_i after clipping and noise, and the step size of this round, for the update of h_i
+        client.state["scaffnew_D"] = client.payload["update"].double().clone()
+        client.state["scaffnew_eta"] = client.lr
+
+    def on_server_update(self, *, server) -> None:
+        mean = server.update  # mean D (the server optimizer applies it next)
+        for c in server.my_clients:
+            state = server.client_state(c)
+            D = state.pop("scaffnew_D")
+            eta = state.pop("scaffnew_eta")
+            state["h"].add_(mean - D, alpha=self.p / eta)
+
+    def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
+        metrics["local_steps"] = float(self._round_steps)
+        self.steps.append(self._round_steps)

@@ -1,0 +1,164 @@
+"""SCAFFOLD, DP-SCAFFOLD(-warm), ScaffNew and DP-ScaffNew (papers 001 and 000).
+
+On a heterogeneous strongly convex problem (clients with different minimisers) FedAvg with K local
+steps stalls at a biased point; the control variates remove the drift and reach the optimum."""
+
+import math
+
+import pytest
+import torch
+
+from dpfl_lightning import ConfigError
+from dpfl_lightning.data import QuadraticClients, quadratic_problem
+from dpfl_lightning.models import QuadraticModel
+from dpfl_lightning.plugins import DPSGD, FederatedCallback, GaussianNoise, PrivacyLedger, UpdateClipping
+from dpfl_lightning.plugins.scaffnew import ScaffNew, geometric_steps
+from dpfl_lightning.plugins.scaffold import SCAFFOLD
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+N, D, K = 8, 5, 10  # rank 10 >= dim 5: every client's loss is strongly convex
+PROBLEM = quadratic_problem(N, D, K, 0)
+Q = PROBLEM.A.double() @ PROBLEM.A.double().transpose(1, 2)
+EIG = torch.linalg.eigvalsh(Q)
+L, MU = float(EIG.max()), float(EIG.min())
+W_STAR = PROBLEM.w_star.double()
+GRAD_STAR = torch.einsum("nij,nj->ni", Q, W_STAR.unsqueeze(0) - PROBLEM.w_star_i.double())  # grad f_i(x*)
+
+
+def _quadratic(log_dir, plugins, rounds, lr, local_steps=10, **kw):
+    trainer = quiet_trainer(log_dir, rounds=rounds, local_steps=local_steps, batch_size=None, plugins=plugins,
+                            eval_every=10**9, **kw)
+    module = trainer.fit(QuadraticModel(N, D, K, 0, lr=lr), QuadraticClients(N, D, K, 0))
+    return trainer, float((module.global_params.double() - W_STAR).norm())
+
+
+def test_control_variates_reach_the_optimum_where_fedavg_stalls(log_dir):
+    _, fedavg = _quadratic(log_dir, [], 200, 0.5 / L)
+    _, scaffold = _quadratic(log_dir, [SCAFFOLD()], 200, 0.5 / L)
+    _, scaffnew = _quadratic(log_dir, [ScaffNew(p=math.sqrt(MU / L))], 200, 1.0 / L)
+    assert fedavg > 0.05  # FedAvg's fixed point is biased by the heterogeneity
+    assert scaffold < 1e-5 and scaffnew < 1e-5  # float32 parameters: ~1e-7 is exact
+
+
+class Invariants(FederatedCallback):
+    """After every round: the sum of the h_i (ScaffNew) or c - mean(c_i) (SCAFFOLD) over this
+    rank's clients (a test adds the ranks up)."""
+
+    order = 999
+
+    def __init__(self):
+        self.sums, self.scales = [], []
+
+    def on_round_end(self, *, server, metrics):
+        states = [server.client_state(c) for c in range(server.num_clients) if c in server.my_clients]
+        key = "h" if states and "h" in states[0] else "c_i"
+        self.sums.append(sum(s[key] for s in states))
+        self.scales.append(max(float(s[key].abs().max()) for s in states))
+
+
+def test_sum_of_h_is_zero_and_c_is_the_mean_of_the_c_i(log_dir):
+    inv = Invariants()
+    trainer, _ = _quadratic(log_dir, [ScaffNew(p=0.3), UpdateClipping(0.5),
+                                      GaussianNoise(noise_multiplier=0.2, placement="local"), inv], 8, 1.0 / L)
+    scale = max(inv.scales)
+    assert scale > 1e-3  # the h_i moved
+    assert all(float(s.abs().max()) <= 1e-12 * scale for s in inv.sums)  # float64 rounding only
+    scaffold = SCAFFOLD()
+    trainer, _ = _quadratic(log_dir, [scaffold], 8, 0.5 / L, clients_per_round=3)
+    mean_c_i = sum(s["c_i"] for s in trainer.client_states.values()) / N
+    assert float(scaffold.c.abs().max()) > 1e-3
+    assert torch.allclose(scaffold.c, mean_c_i, rtol=0, atol=1e-9 * float(scaffold.c.abs().max()))
+
+
+def test_scaffnew_lyapunov_contracts_at_least_as_fast_as_the_theorem(log_dir):
+    # Theorem 1 of paper 000 with sigma = 0 and no clipping: E psi_T <= theta^T psi_0, where
+    # theta = max(1 - mu eta, 1 - p^2) and T counts local iterations
+    eta, p = 1.0 / L, math.sqrt(MU / L)
+    theta = max(1 - MU * eta, 1 - p * p)
+
+    class Lyapunov(FederatedCallback):
+        order = 999
+
+        def setup(self, *, ctx):
+            self.module, self.iterations, self.psi = ctx.module, 0, []
+
+        def on_round_end(self, *, server, metrics):
+            self.iterations += server.plan.local_steps
+            x = self.module.global_params.double()
+            h = torch.stack([server.client_state(c)["h"] for c in range(N)])
+            psi = N * float(((x - W_STAR) ** 2).sum()) + eta**2 / p**2 * float(((h - GRAD_STAR) ** 2).sum())
+            self.psi.append((self.iterations, psi))
+
+    w0 = QuadraticModel(N, D, K, 0).w.detach().double()
+    psi0 = N * float(((w0 - W_STAR) ** 2).sum()) + eta**2 / p**2 * float((GRAD_STAR**2).sum())
+    for seed in range(3):
+        lyap = Lyapunov()
+        _quadratic(log_dir, [ScaffNew(p), lyap], 30, eta, seed=seed)
+        assert len({t for t, _ in lyap.psi}) == len(lyap.psi) > 10
+        for t, psi in lyap.psi:
+            if psi > 1e-9:  # above float32's floor
+                assert psi <= theta**t * psi0, (seed, t, psi, theta**t * psi0)
+
+
+def test_shared_coin_gives_geometric_local_steps(log_dir):
+    us = torch.rand(20000, generator=torch.Generator().manual_seed(0)).tolist()
+    steps = [geometric_steps(u, 0.25) for u in us]
+    assert min(steps) == 1
+    assert sum(steps) / len(steps) == pytest.approx(4.0, rel=0.03)  # E = 1/p; sd of the mean ~0.024
+    sn = ScaffNew(p=0.25)
+    trainer, _ = _quadratic(log_dir, [sn], 12, 0.5 / L)
+    assert [h["local_steps"] for h in trainer.history] == sn.steps and len(set(sn.steps)) > 2
+    again = ScaffNew(p=0.25)
+    _quadratic(log_dir, [again], 12, 0.5 / L)
+    assert again.steps == sn.steps  # keyed by (seed, round)
+
+
+def test_scaffnew_needs_full_participation_and_plain_sgd(log_dir):
+    with pytest.raises(ConfigError, match="every client"):
+        _quadratic(log_dir, [ScaffNew(p=0.5)], 2, 0.1, clients_per_round=3)
+
+    class Momentum(TinyClassifier):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    with pytest.raises(ConfigError, match="plain SGD"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[SCAFFOLD()]).fit(Momentum(), tiny_data())
+
+
+def test_dp_scaffold_costs_no_more_privacy_than_dp_sgd_fedavg(log_dir):
+    def run(extra):
+        ledger = PrivacyLedger(delta=1e-4)
+        t = quiet_trainer(log_dir, rounds=4, clients_per_round=3, batch_size=4, seed=2,
+                          plugins=[DPSGD(noise_multiplier=1.0), *extra, ledger])
+        t.fit(TinyClassifier(), tiny_data(num_clients=10, samples=16))
+        return [h["epsilon"] for h in t.history], t
+
+    fedavg, _ = run([])
+    scaffold, t = run([SCAFFOLD()])
+    assert scaffold == fedavg and math.isfinite(scaffold[-1])
+    assert "dc" in t.run.layout.names  # dc travels, covered by DP-SGD (a function of the noisy gradients)
+
+
+def test_dp_scaffold_warm_start_sets_the_control_variates_without_moving_the_model(log_dir):
+    scaffold = SCAFFOLD(warm_start=True)
+    model = TinyClassifier()
+    start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    t = quiet_trainer(log_dir, rounds=3, clients_per_round=5, batch_size=4, plugins=[DPSGD(noise_multiplier=1.0), scaffold],
+                      log_client_metrics=True)
+    # rounds 1-2 are the warm start (ceil(10 / 5)); nothing moves the model in them
+    t.fit(model, tiny_data(num_clients=10, samples=16))
+    assert scaffold.warm_start_rounds == 2 and [h["warm_start"] for h in t.history] == [1.0, 1.0, 0.0]
+    assert float(scaffold.c.abs().max()) > 0
+    assert len(t.ledger.guarantees) == 1 and t.ledger.rounds == 3  # the warm start is accounted
+    m2 = TinyClassifier()
+
+    class Stop(FederatedCallback):
+        def before_round(self, *, plan, server):
+            if plan.round_idx == 2:
+                server.stop("warm start done")
+
+    stop = quiet_trainer(log_dir, rounds=3, clients_per_round=5, batch_size=4,
+                         plugins=[DPSGD(noise_multiplier=1.0), SCAFFOLD(warm_start=True, warm_start_rounds=2), Stop()])
+    out = stop.fit(m2, tiny_data(num_clients=10, samples=16))  # stopped right after the warm start
+    assert torch.equal(out.global_params, start)  # the same initial model (TinyClassifier seeds it)
+    assert not torch.equal(start, t.module.global_params)

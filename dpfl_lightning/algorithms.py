@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from dpfl_lightning.errors import require
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, ServerOptimizer, UpdateClipping, UpdateNormalization
+from dpfl_lightning.plugins.adaptive_clipping import AdaptiveClip, update_noise_multiplier
 from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.fedexp import FedEXP as FedEXPPlugin
+from dpfl_lightning.plugins.privunit_randomizer import PrivUnitRandomizer
+from dpfl_lightning.plugins.scaffnew import ScaffNew as ScaffNewPlugin
+from dpfl_lightning.plugins.scaffold import SCAFFOLD as SCAFFOLDPlugin
 
 
 class Algorithm:
@@ -148,4 +153,168 @@ class PFL(Algorithm):
                 f"set rounds = total_epochs / local_epochs = {self.total_epochs / trainer.local_epochs:g}")
 
 
-PRESETS = {cls.name: cls for cls in (FedAvg, DPFedAvg, DPFedAvgLocal, DPNormFedAvg, DPFedAvgClipLR, PFL)}
+class SCAFFOLD(Algorithm):
+    """SCAFFOLD (Karimireddy et al. 2020; paper 001 Alg. 1 with sigma_g = 0): control variates
+    correct every local step by ``c - c_i``; the server steps with ``server_lr`` (``eta_g``)."""
+
+    name = "scaffold"
+
+    def __init__(self, server_lr: float = 1.0, warm_start: bool = False, warm_start_rounds: int | None = None) -> None:
+        self.server_lr = server_lr
+        self.warm_start = warm_start
+        self.warm_start_rounds = warm_start_rounds
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [SCAFFOLDPlugin(self.warm_start, self.warm_start_rounds), ServerOptimizer("sgd", lr=self.server_lr)]
+
+
+class DPSCAFFOLD(SCAFFOLD):
+    """DP-SCAFFOLD(-warm) (paper 001 Alg. 1): DP-SGD clients (per-record clipping ``max_grad_norm``,
+    noise multiplier ``sigma_g`` or a ``target_epsilon``) with SCAFFOLD's control variates, which
+    cost no extra privacy (Claim 4.1). ``warm_start=True`` is DP-SCAFFOLD-warm (Sec. 3.3)."""
+
+    name = "dp_scaffold"
+
+    def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
+                 delta: float | None = None, max_grad_norm: float = 1.0, sampling: str = "fixed",
+                 server_lr: float = 1.0, warm_start: bool = True, warm_start_rounds: int | None = None,
+                 accountant: str = "rdp") -> None:
+        super().__init__(server_lr, warm_start, warm_start_rounds)
+        self.noise_multiplier = noise_multiplier
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.max_grad_norm = max_grad_norm
+        self.sampling = sampling
+        self.accountant = accountant
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [DPSGD(noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon, delta=self.delta,
+                      max_grad_norm=self.max_grad_norm, sampling=self.sampling, accountant=self.accountant),
+                *super().plugins()]
+
+
+class ScaffNew(Algorithm):
+    """ScaffNew (Mishchenko et al. 2022): control variates ``h_i`` and a shared coin with
+    probability ``p`` that ends a round's local steps (paper 000 Alg. 2 with sigma = 0, no clipping)."""
+
+    name = "scaffnew"
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.p = p
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [ScaffNewPlugin(self.p), ServerOptimizer("sgd", lr=1.0)]
+
+
+class DPScaffNew(ScaffNew):
+    """DP-ScaffNew (paper 000 Alg. 2): each client sends ``clip(x_hat_i - x) + N(0, sigma^2 I)``
+    (local DP; ``sigma = noise_multiplier * clip``), ``h_i`` follow the noisy messages."""
+
+    name = "dp_scaffnew"
+
+    def __init__(self, p: float = 0.5, clip: float = 1.0, noise_multiplier: float = 1.0) -> None:
+        super().__init__(p)
+        self.clip = clip
+        self.noise_multiplier = noise_multiplier
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [ScaffNewPlugin(self.p), UpdateClipping(self.clip),
+                GaussianNoise(noise_multiplier=self.noise_multiplier, placement="local"), ServerOptimizer("sgd", lr=1.0)]
+
+
+class FedEXP(Algorithm):
+    """FedEXP (Jhunjhunwala et al. 2023; paper 002 eq. (2)): FedAvg with the adaptive global step
+    size ``max(1, mean ||D_i||^2 / ||D_bar||^2)``; ``half=True`` and ``eps`` give the original
+    paper's ``1/2`` and denominator constant. No DP."""
+
+    name = "fedexp"
+
+    def __init__(self, half: bool = False, eps: float = 0.0, average_last: int = 2) -> None:
+        self.half = half
+        self.eps = eps
+        self.average_last = average_last
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [FedEXPPlugin("plain", self.half, self.eps, average_last=self.average_last), ServerOptimizer("sgd", lr=1.0)]
+
+
+class LDPFedEXP(Algorithm):
+    """LDP-FedEXP (paper 002, Alg. 1): clipped updates randomized on the client -- Gaussian noise
+    ``N(0, (z C)^2 I)`` (eq. (6)) or PrivUnit x ScalarDP with ``eps0 + eps1 + eps2`` (App. D, eq. (8))
+    -- and the bias-corrected adaptive global step size computed from the randomized updates only."""
+
+    name = "ldp_fedexp"
+
+    def __init__(self, clip: float = 1.0, noise_multiplier: float = 0.7, randomizer: str = "gaussian",
+                 eps0: float = 2.0, eps1: float = 2.0, eps2: float = 2.0, average_last: int = 2) -> None:
+        require(randomizer in ("gaussian", "privunit"), "LDPFedEXP.randomizer", randomizer, "unknown randomizer",
+                "use 'gaussian' or 'privunit'")
+        self.clip = clip
+        self.noise_multiplier = noise_multiplier
+        self.randomizer = randomizer
+        self.eps0, self.eps1, self.eps2 = eps0, eps1, eps2
+        self.average_last = average_last
+
+    def plugins(self) -> list[FederatedCallback]:
+        if self.randomizer == "gaussian":
+            local = GaussianNoise(noise_multiplier=self.noise_multiplier, placement="local")
+        else:
+            local = PrivUnitRandomizer(self.eps0, self.eps1, self.eps2)
+        return [UpdateClipping(self.clip), local,
+                FedEXPPlugin(f"ldp_{self.randomizer}", average_last=self.average_last), ServerOptimizer("sgd", lr=1.0)]
+
+
+class CDPFedEXP(Algorithm):
+    """CDP-FedEXP (paper 002, Alg. 2): clipped updates, central noise ``N(0, (z C)^2 I)`` on their sum,
+    and the adaptive step size from the sum of squared norms plus its own noise ``xi`` (eq. (7);
+    ``sigma_xi`` defaults to ``d sigma^2 / M``), a second release the ledger composes (Prop. 4.2)."""
+
+    name = "cdp_fedexp"
+
+    def __init__(self, clip: float = 1.0, noise_multiplier: float = 5.0, sigma_xi: float | None = None,
+                 average_last: int = 2) -> None:
+        self.clip = clip
+        self.noise_multiplier = noise_multiplier
+        self.sigma_xi = sigma_xi
+        self.average_last = average_last
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [UpdateClipping(self.clip), GaussianNoise(noise_multiplier=self.noise_multiplier, placement="central"),
+                FedEXPPlugin("cdp", sigma_xi=self.sigma_xi, average_last=self.average_last),
+                ServerOptimizer("sgd", lr=1.0)]
+
+
+class AdaptiveClipping(Algorithm):
+    """DP-FedAvg or DP-NormFedAvg with the clip norm (or scale) following a target quantile of the
+    update norms (Andrew et al. 2021). The update noise multiplier is lowered to
+    ``z_Delta = (z^-2 - (2 count_noise)^-2)^(-1/2)`` so that, with the noisy count, the run spends
+    exactly the privacy of the non-adaptive run with ``noise_multiplier = z``."""
+
+    name = "adaptive_clipping"
+
+    def __init__(self, base: str = "dp_fedavg", noise_multiplier: float = 1.0, count_noise: float = 1.0,
+                 initial_clip: float = 1.0, target_quantile: float = 0.5, learning_rate: float = 0.2,
+                 placement: str = "central", server_lr: float = 1.0, server_momentum: float = 0.0) -> None:
+        require(base in ("dp_fedavg", "dp_normfedavg"), "AdaptiveClipping.base", base, "unknown base algorithm",
+                "use 'dp_fedavg' or 'dp_normfedavg'")
+        self.base = base
+        self.noise_multiplier = noise_multiplier
+        self.count_noise = count_noise
+        self.initial_clip = initial_clip
+        self.target_quantile = target_quantile
+        self.learning_rate = learning_rate
+        self.placement = placement
+        self.server_lr = server_lr
+        self.server_momentum = server_momentum
+        self.normalize_update_by_lr = base == "dp_normfedavg"
+        self.update_noise_multiplier = update_noise_multiplier(noise_multiplier, count_noise)
+
+    def plugins(self) -> list[FederatedCallback]:
+        return [AdaptiveClip(self.initial_clip, self.target_quantile, self.learning_rate, self.count_noise,
+                             self.placement, normalize=self.base == "dp_normfedavg"),
+                GaussianNoise(noise_multiplier=self.update_noise_multiplier, placement=self.placement),
+                ServerOptimizer("sgd", lr=self.server_lr, momentum=self.server_momentum)]
+
+
+PRESETS = {cls.name: cls for cls in (FedAvg, DPFedAvg, DPFedAvgLocal, DPNormFedAvg, DPFedAvgClipLR, PFL, SCAFFOLD,
+                                     DPSCAFFOLD, ScaffNew, DPScaffNew, FedEXP, LDPFedEXP, CDPFedEXP, AdaptiveClipping)}

@@ -1,0 +1,152 @@
+"""DP-FedEXP (paper 002): the adaptive global step size of each variant against hand-computed cases,
+the unbiasedness of the LDP estimator, the extra release of CDP-FedEXP, PrivUnit as the local
+randomizer, and evaluation on the average of the last two iterates."""
+
+import math
+from types import SimpleNamespace
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting import rdp as dp_rdp
+
+from dpfl_lightning.algorithms import CDPFedEXP, DPFedAvg, FedEXP, LDPFedEXP
+from dpfl_lightning.payload import Aggregate
+from dpfl_lightning.plugins import FedEXP as FedEXPPlugin
+from dpfl_lightning.plugins import PrivacyLedger
+from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
+
+
+def _server(update, n, **sums):
+    agg = Aggregate(0, {k: torch.tensor([v], dtype=torch.float64) for k, v in sums.items()}, n, float(n))
+    return SimpleNamespace(aggregate=agg, update=torch.as_tensor(update, dtype=torch.float64))
+
+
+def _plugin(variant, **kw):
+    p = FedEXPPlugin(variant, **kw)
+    p._mode, p._d = variant, 3
+    return p
+
+
+def test_step_sizes_of_every_variant_by_hand():
+    # three clients with updates D_i; c_bar their mean (no noise here)
+    D = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    mean_sq = float((D**2).sum(1).mean())  # (1 + 4 + 3) / 3
+    c_bar = D.mean(0)
+    server = _server(c_bar, 3, norm_sq=float((D**2).sum()))
+    plain = mean_sq / float((c_bar**2).sum())  # eq. (2): 8/3 / (4/9 + 1 + 1/9)
+    assert _plugin("plain").step_size(server) == pytest.approx(plain)
+    assert _plugin("plain", half=True, eps=0.1).step_size(server) == pytest.approx(
+        max(1.0, mean_sq / (2 * (float((c_bar**2).sum()) + 0.1))))
+    ldp = _plugin("ldp_gaussian")
+    ldp._sigma = 0.5  # eq. (6): subtract d sigma^2 from the mean squared norm of the noisy updates
+    assert ldp.step_size(server) == pytest.approx((mean_sq - 3 * 0.25) / float((c_bar**2).sum()))
+    cdp = _plugin("cdp")  # eq. (7): xi is already in the noisy sum
+    assert cdp.step_size(_server(c_bar, 3, norm_sq=float((D**2).sum()) + 0.6)) == pytest.approx(
+        (mean_sq + 0.2) / float((c_bar**2).sum()))
+    pu = _plugin("ldp_privunit")  # eq. (8): the mean of the clients' estimates s_hat
+    assert pu.step_size(_server(c_bar, 3, norm_sq_estimate=6.0)) == pytest.approx(2.0 / float((c_bar**2).sum()))
+
+
+def test_step_size_is_never_below_one():
+    g = torch.Generator().manual_seed(0)
+    for variant in ("plain", "ldp_gaussian", "cdp"):
+        p = _plugin(variant)
+        p._sigma = 3.0
+        for _ in range(200):
+            c_bar = torch.randn(3, generator=g, dtype=torch.float64) * 10 ** torch.empty(1).uniform_(-3, 3).item()
+            total = float(torch.randn(1, generator=g)) * 5  # may be negative after noise / bias correction
+            assert p.step_size(_server(c_bar, 4, norm_sq=total)) >= 1.0
+        assert p.step_size(_server(torch.zeros(3), 4, norm_sq=1.0)) == 1.0  # a zero mean update
+
+
+def test_the_ldp_estimator_is_unbiased():
+    # E[mean ||c_i||^2 - d sigma^2] = mean ||D_i||^2 for c_i = D_i + N(0, sigma^2 I)
+    g = torch.Generator().manual_seed(1)
+    M, d, sigma, reps = 20, 50, 0.7, 4000
+    D = torch.randn(M, d, generator=g, dtype=torch.float64) * 0.1
+    truth = float((D**2).sum(1).mean())
+    est = []
+    for _ in range(reps):
+        c = D + sigma * torch.randn(M, d, generator=g, dtype=torch.float64)
+        est.append(float((c**2).sum(1).mean()) - d * sigma**2)
+    est = torch.tensor(est)
+    # Var ||c_i||^2 = 4 sigma^2 ||D_i||^2 + 2 d sigma^4; the mean over M clients and reps draws
+    se = math.sqrt(float((4 * sigma**2 * (D**2).sum(1) + 2 * d * sigma**4).mean()) / M / reps)
+    assert abs(float(est.mean()) - truth) < 4 * se
+    assert float(est.std()) > 10 * se  # a single round's estimate is noisy: the test has power
+
+
+def test_cdp_fedexp_spends_the_update_noise_composed_with_xi(log_dir):
+    def run(algorithm):
+        ledger = PrivacyLedger(delta=1e-5)
+        t = quiet_trainer(log_dir, rounds=4, clients_per_round=5, sampling="poisson", algorithm=algorithm,
+                          plugins=[ledger])
+        t.fit(TinyClassifier(), tiny_data(num_clients=40))
+        return t, [h["epsilon"] for h in t.history]
+
+    t, cdp = run(CDPFedEXP(clip=1.0, noise_multiplier=2.0))
+    _, fedavg = run(DPFedAvg(clip=1.0, noise_multiplier=2.0, placement="central"))
+    d, M, z = t.module.num_parameters, 5.0, 2.0
+    sigma_sum = z * 1.0  # std of the update noise on the sum; the mean carries sigma^2 / M with sigma^2 = sigma_sum^2 / M
+    xi_on_sum = d * (sigma_sum**2 / M)  # M sigma_xi, sigma_xi = d sigma^2 / M
+    z_xi = xi_on_sum / 1.0**2  # sensitivity of the sum of squared norms: C^2
+    z_eff = (z**-2 + z_xi**-2) ** -0.5  # two Gaussians on the same Poisson sample
+    for rounds, eps in enumerate(cdp, start=1):
+        acc = dp_rdp.RdpAccountant()
+        acc.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(5 / 40, dp_accounting.GaussianDpEvent(z_eff)), rounds))
+        assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert all(a > b for a, b in zip(cdp, fedavg))
+    assert all(h["eta_g"] >= 1 for h in t.history)
+
+
+def test_ldp_fedexp_costs_what_ldp_fedavg_costs_and_logs_eta_g(log_dir):
+    def run(algorithm):
+        t = quiet_trainer(log_dir, rounds=3, clients_per_round=5, algorithm=algorithm)
+        t.fit(TinyClassifier(), tiny_data())
+        return t
+
+    ldp = run(LDPFedEXP(clip=1.0, noise_multiplier=0.7))
+    from dpfl_lightning.algorithms import DPFedAvgLocal
+
+    base = run(DPFedAvgLocal(clip=1.0, noise_multiplier=0.7))
+    assert [h["epsilon"] for h in ldp.history] == [h["epsilon"] for h in base.history]
+    assert "norm_sq" in ldp.run.layout.names and all(h["eta_g"] >= 1 for h in ldp.history)
+
+
+def test_privunit_randomizer_through_the_trainer(log_dir):
+    after = Recorder(order=900)
+    t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, algorithm=LDPFedEXP(clip=1.0, randomizer="privunit"),
+                      plugins=[after])
+    t.fit(TinyClassifier(), tiny_data())
+    consts = t.plugins[1].consts
+    for u in after.updates:  # every sent vector has norm |r_hat| / m, r_hat = a (J - b) on ScalarDP's lattice
+        r = float(torch.linalg.vector_norm(u.double())) * consts.m
+        j = r / consts.a  # = |J - b| for some level J in 0..k
+        assert min(abs(j - abs(level - consts.b)) for level in range(consts.k + 1)) < 1e-4
+    rr = dp_accounting.RandomizedResponseDpEvent(2 / (1 + math.exp(6.0)), 2)
+    acc = dp_rdp.RdpAccountant(neighboring_relation=dp_accounting.privacy_accountant.NeighboringRelation.REPLACE_ONE)
+    busiest = int(t.ledger.counts["client_local"].max())
+    acc.compose(dp_accounting.SelfComposedDpEvent(rr, busiest))
+    assert t.history[-1]["epsilon"] == min(acc.get_epsilon(t.ledger.delta), 6.0 * busiest)
+
+
+def test_evaluation_sees_the_average_of_the_last_two_iterates(log_dir):
+    seen = []
+
+    class Spy(TinyClassifier):
+        def on_validation_epoch_start(self):
+            seen.append(torch.cat([p.detach().flatten().clone() for p in self.parameters()]))
+
+    t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, algorithm=FedEXP(average_last=2), eval_every=1)
+    models = []
+
+    class Snap(Recorder):
+        def on_round_end(self, *, server, metrics):
+            models.append(server.global_params.detach().clone())
+
+    t.plugins.append(Snap(order=999))
+    t.fit(Spy(), tiny_data())
+    assert torch.allclose(seen[1], (models[0] + models[1]) / 2, atol=1e-6)  # round 2 evaluates the average
+    assert torch.equal(t.module.global_params, models[1])  # training goes on from the last iterate

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from dpfl_lightning.data.synthetic import quadratic_problem
+from dpfl_lightning.data.synthetic import linear_regression_target, quadratic_problem
 
 
 def _optimizer(params, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -110,6 +110,34 @@ class MLPClassifier(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         return _optimizer(self.parameters(), hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)
+
+
+class LinearRegression(L.LightningModule):
+    """``y = x^T w`` with the squared error, for paper 002's synthetic linear regression
+    (:class:`~dpfl_lightning.data.SyntheticLinearRegression`); ``w`` starts at 0. Evaluation logs the
+    mean squared error and, given the data's seed as ``target_seed``, the distance ``||w - w*||``."""
+
+    def __init__(self, dim: int = 100, lr: float = 0.01, target_seed: int | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.w = nn.Parameter(torch.zeros(dim))
+        # not a buffer: neither trained nor federated
+        self.w_star = None if target_seed is None else linear_regression_target(dim, target_seed)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((x @ self.w - y) ** 2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", ((x @ self.w - y) ** 2).mean())
+        if self.w_star is not None:
+            self.log("distance_to_optimum", torch.linalg.vector_norm(self.w - self.w_star.to(self.w.device)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
 class QuadraticModel(L.LightningModule):

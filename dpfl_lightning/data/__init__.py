@@ -1,13 +1,15 @@
 """Federated data: :class:`FederatedDataModule`, partitioners, built-in sources that need no
 download (:class:`Digits` from scikit-learn, paper 001's :class:`SyntheticLogistic`, paper 003's
-:class:`QuadraticClients`) and loaders for files already on disk (:class:`NpzFile`, MNIST /
+:class:`QuadraticClients`, paper 002's :class:`SyntheticLinearRegression`) and loaders for files already on disk (:class:`NpzFile`, MNIST /
 Fashion-MNIST IDX files, CIFAR-10 python batches)."""
 
 from dpfl_lightning.data.digits import Digits
 from dpfl_lightning.data.files import NpzFile
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.data.partition import PARTITIONS, partition
-from dpfl_lightning.data.synthetic import QuadraticClients, SyntheticLogistic, quadratic_problem, synthetic_logistic
+from dpfl_lightning.data.synthetic import (QuadraticClients, SyntheticLinearRegression, SyntheticLogistic,
+                                          linear_regression_problem, linear_regression_target, quadratic_problem,
+                                          synthetic_logistic)
 from dpfl_lightning.data.vision import CIFAR10, MNIST, FashionMNIST
 
 __all__ = [
@@ -19,7 +21,10 @@ __all__ = [
     "FederatedDataModule",
     "NpzFile",
     "QuadraticClients",
+    "SyntheticLinearRegression",
     "SyntheticLogistic",
+    "linear_regression_problem",
+    "linear_regression_target",
     "partition",
     "quadratic_problem",
     "synthetic_logistic",

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -130,3 +131,47 @@ class QuadraticClients(FederatedDataModule):
         p = quadratic_problem(self.num_clients, self.dim, self.rank, self.seed)
         ds = TensorDataset(p.A, p.w_star_i)
         return ds, ds, [torch.tensor([i]) for i in range(self.num_clients)]
+
+
+def linear_regression_target(dim: int, seed: int = 0) -> torch.Tensor:
+    """The shared minimiser ``w* ~ N(0, I_d)`` of :func:`linear_regression_problem` with this seed."""
+    return torch.randn(dim, generator=torch.Generator().manual_seed(seed))
+
+
+@lru_cache(maxsize=8)
+def linear_regression_problem(num_clients: int = 1000, samples_per_client: int = 20, dim: int = 100,
+                              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Paper 002 App. G's synthetic linear regression (after Li et al. 2020 and FedEXP): a shared
+    target ``w* ~ N(0, I_d)``; client ``i`` draws ``u_i ~ N(0, 0.1)``, ``m_i ~ N(u_i, 1)`` and its
+    inputs ``x ~ N(m_i, I_d)``, labels ``y = x^T w*`` (no noise: every client shares the minimiser).
+    Returns ``(x [M * n, d], y [M * n], w* [d])``."""
+    g = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(dim, generator=g)  # the first draw: linear_regression_target(dim, seed)
+    u = torch.randn(num_clients, 1, generator=g) * math.sqrt(0.1)
+    m = u + torch.randn(num_clients, dim, generator=g)
+    x = m.unsqueeze(1) + torch.randn(num_clients, samples_per_client, dim, generator=g)
+    x = x.reshape(-1, dim)
+    return x, x @ w_star, w_star
+
+
+class SyntheticLinearRegression(FederatedDataModule):
+    """Paper 002's synthetic linear regression clients (see :func:`linear_regression_problem`),
+    ``samples_per_client`` records each (the paper does not say how many; 20 by default). The global
+    test set is fresh records of every client's distribution."""
+
+    test_set_from_clients = False
+
+    def __init__(self, num_clients: int = 1000, samples_per_client: int = 20, dim: int = 100, seed: int = 0) -> None:
+        super().__init__(num_clients=num_clients, partition="natural", seed=seed, eval_batch_size=4096)
+        self.samples_per_client, self.dim = samples_per_client, dim
+
+    @property
+    def w_star(self) -> torch.Tensor:
+        return linear_regression_problem(self.num_clients, self.samples_per_client, self.dim, self.seed)[2]
+
+    def load(self):
+        x, y, _ = linear_regression_problem(self.num_clients, self.samples_per_client, self.dim, self.seed)
+        xt, yt, _ = linear_regression_problem(self.num_clients, 2, self.dim, self.seed)  # same w*, other draws
+        n = self.samples_per_client
+        clients = [torch.arange(c * n, (c + 1) * n) for c in range(self.num_clients)]
+        return TensorDataset(x, y), TensorDataset(xt, yt), clients

@@ -150,3 +150,29 @@ def test_evaluation_sees_the_average_of_the_last_two_iterates(log_dir):
     t.fit(Spy(), tiny_data())
     assert torch.allclose(seen[1], (models[0] + models[1]) / 2, atol=1e-6)  # round 2 evaluates the average
     assert torch.equal(t.module.global_params, models[1])  # training goes on from the last iterate
+
+
+def test_fedexp_gets_closer_to_the_shared_optimum_than_fedavg(log_dir):
+    """Paper 002 App. G's setting without noise: every client shares w*, so the extrapolated step
+    (eta_g >= 1) can only help; the logged distance ||w - w*|| is computed from the data's seed."""
+    from dpfl_lightning.algorithms import FedAvg
+    from dpfl_lightning.data import SyntheticLinearRegression
+    from dpfl_lightning.models import LinearRegression
+
+    data = SyntheticLinearRegression(num_clients=20, samples_per_client=5, dim=10, seed=3)
+    x, y = data.load()[0].tensors
+    assert torch.allclose(x @ data.w_star, y)  # noiseless labels: w* minimises every client's loss
+
+    def distance(algorithm):
+        t = quiet_trainer(log_dir, rounds=8, local_steps=5, batch_size=None, algorithm=algorithm, eval_every=8)
+        t.fit(LinearRegression(10, lr=0.005, target_seed=3), data)
+        w = t.module.global_params.double()  # average_last=1: evaluation sees the last iterate
+        assert t.history[-1]["distance_to_optimum"] == pytest.approx(float(torch.linalg.vector_norm(w - data.w_star)),
+                                                                     rel=1e-5)
+        return t.history[-1]["distance_to_optimum"], t
+
+    start = float(torch.linalg.vector_norm(data.w_star))
+    fedavg, _ = distance(FedAvg())
+    fedexp, t = distance(FedEXP(average_last=1))
+    assert fedexp < fedavg < start
+    assert max(h["eta_g"] for h in t.history) > 1.5

@@ -16,6 +16,7 @@ layout, the privacy mechanisms and ledger, the release list, and the checks of a
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,8 @@ def _set_rank_zero(rank: int) -> None:
         mod.rank_zero_only.rank = rank
 
 
-def _cpus() -> int:
+def available_cpus() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -234,7 +236,13 @@ def build_run(trainer: FederatedTrainer, module: Any, data: Any) -> RunSetup:
         trainer.algorithm.validate(trainer)
     comm = trainer.comm
     _set_rank_zero(comm.rank)
-    threads = trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, _cpus() // comm.local_size)
+    cpus, per_rank = available_cpus(), max(1, available_cpus() // comm.local_size)
+    threads = trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or per_rank
+    if threads * comm.local_size > cpus and comm.local_rank == 0:
+        warnings.warn(f"trainer.num_threads: {comm.local_size} rank(s) x {threads} torch thread(s) on a node with {cpus} "
+                      f"core(s) oversubscribe it, and ranks waiting in the all-reduce compete with the ones computing "
+                      f"(benchmarks/round_overhead.py measured up to 26x slower rounds); set num_threads (or "
+                      f"OMP_NUM_THREADS) to at most {per_rank}, or leave both unset", RuntimeWarning, stacklevel=3)
     torch.set_num_threads(threads)
     trainer.threads = threads
     if trainer.deterministic:

@@ -70,6 +70,7 @@ from typing import Any
 import yaml
 
 from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.run_setup import available_cpus
 
 METHODS = ("grid", "random")
 DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "q_uniform", "log_uniform", "log_uniform_values",
@@ -461,11 +462,7 @@ def final_metric(run_dir: str, metric: str | None) -> float | None:
 
 
 def _threads(jobs: int, mpi: int | None) -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // (jobs * (mpi or 1)))
+    return max(1, available_cpus() // (jobs * (mpi or 1)))
 
 
 def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None, jobs: int = 1,

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import torch
 
 from dpfl_lightning import FederatedDataModule, NonFiniteUpdateError
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
-from helpers import TinyClassifier, quiet_trainer
+from dpfl_lightning.run_setup import available_cpus
+from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,3 +122,16 @@ def test_non_finite_update_skipped_when_asked(log_dir):
     module = trainer.fit(TinyClassifier(), data)
     assert torch.isfinite(module.global_params).all()
     assert [h["skipped_clients"] for h in trainer.history] == [1.0, 1.0, 1.0]
+
+
+def test_more_threads_than_cores_warns_once_with_the_fix(log_dir):
+    def run(threads):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_trainer(log_dir, rounds=1, clients_per_round=2, num_threads=threads).fit(TinyClassifier(), tiny_data())
+        return [w for w in caught if "trainer.num_threads" in str(w.message)]
+
+    (warning,) = run(available_cpus() + 1)
+    assert f"at most {available_cpus()}" in str(warning.message)
+    assert run(available_cpus()) == []
+    torch.set_num_threads(1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -105,12 +104,7 @@ def hand_loop_gpu(workload, rounds):
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            with torch.no_grad():
-                delta = [p - w for p, w in zip(params, global_w)]
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta]))
-                factor = min(1.0, ro.CLIP / max(float(norm), 1e-12))
-                for t, d in zip(total, delta):
-                    t.add_(d, alpha=factor)
+            ro.clip_and_add(total, params, global_w, ro.CLIP)
         with torch.no_grad():
             for w, t in zip(global_w, total):
                 w.add_((t + ro.Z * ro.CLIP * torch.randn(t.shape, generator=gc, device="cuda")) / ro.M_ROUND)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from round_overhead import clip_and_add  # the hand loops' shared client update
+
 SIZES = [3072, 4096, 4096, 4096, 10]
 CLIENTS, SAMPLES, CLIP, Z = 32, 10, 1.0, 1.0
 
@@ -70,13 +72,7 @@ def hand(rounds: int, per_round: int) -> list[float]:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            with torch.no_grad():
-                delta = [p - w for p, w in zip(params, global_w)]
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta]))
-                factor = min(1.0, CLIP / max(float(norm), 1e-12))
-                for t, d in zip(total, delta):
-                    t.add_(d, alpha=factor)
-                del delta
+            clip_and_add(total, params, global_w, CLIP)
         with torch.no_grad():
             for w, t in zip(global_w, total):
                 w.add_((t + Z * CLIP * torch.randn(t.shape, generator=g)) / per_round)

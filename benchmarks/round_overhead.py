@@ -84,6 +84,16 @@ def make_data(workload: str) -> FederatedDataModule:
     return data
 
 
+@torch.no_grad()
+def clip_and_add(total: list[torch.Tensor], params: list[torch.Tensor], global_w: list[torch.Tensor], clip: float) -> None:
+    """The hand loops' client update: ``local - global``, clipped to norm ``clip``, added to ``total``."""
+    delta = [p - w for p, w in zip(params, global_w)]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta]))
+    factor = min(1.0, clip / max(float(norm), 1e-12))
+    for t, d in zip(total, delta):
+        t.add_(d, alpha=factor)
+
+
 def hand_written_rounds(data, workload: str, rounds: int, seed: int) -> list[float]:
     x, y = data.in_memory_tensors
     client_idx = data._train_idx
@@ -109,12 +119,7 @@ def hand_written_rounds(data, workload: str, rounds: int, seed: int) -> list[flo
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            with torch.no_grad():
-                delta = [p - w for p, w in zip(params, global_w)]
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta]))
-                factor = min(1.0, CLIP / max(float(norm), 1e-12))
-                for t, d in zip(total, delta):
-                    t.add_(d, alpha=factor)
+            clip_and_add(total, params, global_w, CLIP)
         with torch.no_grad():
             for w, t in zip(global_w, total):
                 w.add_((t + Z * CLIP * torch.randn(t.shape, generator=g)) / M_ROUND)

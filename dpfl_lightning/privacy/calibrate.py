@@ -33,6 +33,17 @@ def _validate(target_epsilon: float, delta: float, accountant: str) -> None:
             f"use one of {', '.join(ACCOUNTANTS)}")
 
 
+def _bracket(eps: Callable[[float], float], target_epsilon: float) -> tuple[float, float]:
+    """Noise multipliers ``lo < hi`` with ``eps(lo) > target >= eps(hi)`` (or ``lo`` at ``Z_MIN``),
+    found by factors of 4 from 1."""
+    lo, hi = 1.0, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, hi * 4
+    while eps(lo) <= target_epsilon and lo > Z_MIN:
+        lo, hi = lo / 4, lo
+    return lo, hi
+
+
 def _search(f: Callable[[float], float], target: float, lo: float, hi: float, rtol: float, max_iter: int = 200) -> float:
     """Root of the decreasing ``f`` with ``f(lo) > target >= f(hi)``: return ``x`` with
     ``target * (1 - rtol) <= f(x) <= target``.
@@ -97,12 +108,7 @@ def calibrate_release(base: Release, target_epsilon: float, delta: float, steps:
         raise ConfigError("target_epsilon", target_epsilon,
                           f"is unreachable: even noise multiplier {Z_MAX:g} gives more at delta={delta:g}",
                           "raise the target epsilon or delta, or lower the number of rounds")
-    lo, hi = 1.0, 1.0
-    while fast(hi) > target_epsilon:
-        lo, hi = hi, hi * 4
-    while fast(lo) <= target_epsilon and lo > Z_MIN:
-        lo, hi = lo / 4, lo
-    z_rdp = _search(fast, target_epsilon, lo, hi, rtol / 10)
+    z_rdp = _search(fast, target_epsilon, *_bracket(fast, target_epsilon), rtol / 10)
     while epsilon(base.with_noise_multiplier(z_rdp), steps, delta, "rdp").epsilon > target_epsilon:
         z_rdp *= 1 + 1e-6  # the vectorised and dp_accounting's RDP agree to ~1e-13; guard anyway
     if accountant == "rdp" or epsilon(base.with_noise_multiplier(z_rdp), steps, delta, accountant).method == "rdp":
@@ -183,10 +189,5 @@ def calibrate_guarantee(guarantee_at: Callable[[float], Guarantee], compositions
         if eps(Z_MAX) > target_epsilon:
             raise ConfigError("target_epsilon", target_epsilon, f"is unreachable at delta={delta:g}",
                               "raise the target epsilon or delta, or lower the number of rounds")
-        lo, hi = 1.0, 1.0
-        while eps(hi) > target_epsilon:
-            lo, hi = hi, hi * 4
-        while eps(lo) <= target_epsilon and lo > Z_MIN:
-            lo, hi = lo / 4, lo
-        z = max(z, _search(eps, target_epsilon, lo, hi, rtol))
+        z = max(z, _search(eps, target_epsilon, *_bracket(eps, target_epsilon), rtol))
     return z

@@ -65,10 +65,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", type=str, default="cdp,ldp_gaussian,ldp_privunit")
     ap.add_argument("--quick", action="store_true", help="200 clients, 20 rounds, a 2x2 grid")
+    ap.add_argument("--clients", type=int, default=None, help="override the number of clients")
+    ap.add_argument("--rounds", type=int, default=None, help="override the number of rounds")
+    ap.add_argument("--lrs", type=str, default=None, help="override the eta_l grid, comma-separated")
+    ap.add_argument("--clips", type=str, default=None, help="override the C grid, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(1)
     clients, rounds = (200, 20) if args.quick else (M, T)
     lrs, clips = ((0.001, 0.003), (1.0, 3.0)) if args.quick else ((0.0003, 0.001, 0.003), (0.3, 1.0, 3.0))
+    clients, rounds = args.clients or clients, args.rounds or rounds
+    lrs = tuple(float(v) for v in args.lrs.split(",")) if args.lrs else lrs
+    clips = tuple(float(v) for v in args.clips.split(",")) if args.clips else clips
     print(f"M={clients}, tau={TAU}, T={rounds}; best of eta_l in {lrs} x C in {clips} by the last 5 rounds' training loss")
     print(f"{'setting':<14}{'algorithm':<11}{'eta_l':>7}{'C':>6}{'||w-w*||':>11}{'eps 1 rnd':>10}{'eps T rnds':>11}{'paper eps':>10}  eta_g (rounds 1, T/2, T)")
     for setting in args.settings.split(","):

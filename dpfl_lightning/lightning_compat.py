@@ -121,7 +121,10 @@ module you passed, in place, and says so with a warning.
 
 **Executors.** The ``vmap`` executor runs none of the above beyond ``training_step`` and refuses a
 module or setting that needs them (schedulers, epoch hooks, gradient clipping, accumulation, mixed
-precision).
+precision). Inside ``training_step`` it sets ``current_epoch``, ``global_step``, ``batch_idx`` and
+``trainer.is_last_batch`` as the sequential executor does (every client of a chunk is at the same
+step); ``self.optimizers()`` is empty there (a module that needs it uses manual optimization, which
+vmap refuses).
 
 **Export.** ``FederatedTrainer.save_lightning_checkpoint(path)`` (and ``final_checkpoint=True``, which
 writes ``<checkpoint_dir>/final.ckpt`` after ``fit``) writes the global model as a Lightning checkpoint

@@ -661,7 +661,9 @@ class FederatedLightningModule:
         self._shim.logged_metrics = dict(metrics)
 
     # ------------------------------------------------------------------ optimizers and schedules
-    def _set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
+    def set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
+        """What the module's trainer says at the start of a client's round: ``current_epoch`` is the
+        round, ``global_step`` starts at ``round * steps`` (see :mod:`dpfl_lightning.lightning_compat`)."""
         shim = self._shim
         shim.current_epoch = round_idx
         shim.global_step = round_idx * steps
@@ -820,7 +822,7 @@ class FederatedLightningModule:
         total = batches_per_round or 0
         per_epoch = batches_per_epoch or total
         steps_per_round = optimizer_steps_per_round(total, per_epoch, k) if automatic else total
-        self._set_client_shape(round_idx, steps_per_round, total)
+        self.set_client_shape(round_idx, steps_per_round, total)
         shim.should_stop = False
         opts, scheds = self.make_optimizers(steps_per_round, round_idx)
         if wrap_optimizer is not None:

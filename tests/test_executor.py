@@ -46,6 +46,35 @@ def test_vmap_log_dict_matches_sequential(log_dir):
     assert out["vmap"] == pytest.approx(out["sequential"], rel=1e-5)
 
 
+class ReadsTheTrainer(TinyClassifier):
+    """Records what its training_step reads from the trainer, once per (vectorised) step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.recording = [], False
+
+    def on_train_start(self):
+        self.recording = True  # not vmap's set-up trial
+
+    def training_step(self, batch, batch_idx):
+        if self.recording:
+            self.seen.append((self.current_epoch, self.global_step, batch_idx, self.trainer.is_last_batch))
+        return super().training_step(batch, batch_idx)
+
+
+def test_training_step_reads_the_same_trainer_state_under_vmap(log_dir):
+    seen = {}
+    for ex in ("sequential", "vmap"):
+        module = ReadsTheTrainer()
+        quiet_trainer(log_dir, rounds=3, clients_per_round=2, local_epochs=2, executor=ex).fit(module, tiny_data())
+        seen[ex] = module.seen
+    steps = len(seen["vmap"]) // 3  # vmap records each step once for the whole cohort of a round
+    sequential_first_clients = [seen["sequential"][r * 2 * steps + i] for r in range(3) for i in range(steps)]
+    assert seen["vmap"] == sequential_first_clients
+    assert {g for _, g, _, _ in seen["vmap"]} == set(range(3 * steps))  # global_step advances every step
+    assert sum(last for *_, last in seen["vmap"]) == 3
+
+
 def test_dpsgd_refuses_the_vmap_executor(log_dir):
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap", plugins=[DPSGD(noise_multiplier=1.0)])
     with pytest.raises(ConfigError, match="trainer.executor"):

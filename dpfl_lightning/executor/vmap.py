@@ -192,6 +192,10 @@ class VmapExecutor(Executor):
         per_epoch = math.ceil(n / bs)
         logged = module.logged
         module.set_round(plan.round_idx)
+        # what training_step may read, as the sequential executor sets it: every client of the chunk
+        # is at the same step (current_epoch = round, global_step from round * steps, is_last_batch)
+        shim = module.trainer_shim
+        module.set_client_shape(plan.round_idx, steps, steps)
         named = dict(zip(self._names, params))
         samples = 0
         for s in range(steps):
@@ -199,15 +203,18 @@ class VmapExecutor(Executor):
             sel = orders[:, epoch * n + b * bs : epoch * n + min((b + 1) * bs, n)]
             batch = tuple(t[sel] for t in tensors)
             self._step.batch_idx = b
+            shim.is_last_batch = s + 1 == steps
             grads, (_, logs) = self._fn(named, batch)
             for p, name in zip(params, self._names):
                 p.grad = grads[name]
             opt.step()
+            shim.global_step += 1
             size = sel.shape[1]
             for name, values in logs.items():
                 for v in values:
                     logged.log(name, v, batch_size=size)
             samples += size
+        shim.is_last_batch = False
         lr = float(opt.param_groups[0]["lr"])
         for j, k in enumerate(positions):
             torch.sub(flat[j], module.global_params, out=work.out(k))

@@ -69,7 +69,8 @@ would write un-noised client statistics past it). Anything else raises an ``Attr
 **Hooks.** Per run, in Lightning's order: ``setup("fit")`` and ``configure_model()`` before the
 parameters are laid out (layers they create are trained and federated), ``configure_optimizers``
 (checked once), ``on_fit_start``, ``on_train_start``; after the last round ``on_train_end``,
-``on_fit_end``; ``teardown("fit")`` always, also when set-up or training fails. Per client:
+``on_fit_end``; ``teardown("fit")`` always (the DataModule's too), also when set-up or training
+fails. Per client:
 ``on_train_epoch_start``, the per-batch hooks (see :mod:`dpfl_lightning.module`),
 ``on_train_epoch_end``. Server evaluation: ``on_validation_model_eval``, ``on_validation_start``,
 ``on_validation_epoch_start``, ``validation_step`` and its batch hooks, ``on_validation_epoch_end``,
@@ -180,6 +181,7 @@ class LightningRun:
             callbacks += extra
         check_callbacks(callbacks)
         self.callbacks = callbacks
+        self.saved_callback_states: dict[str, Any] = {}  # from a checkpoint, loaded after their setup
         if trainer.precision == "16-mixed":
             mixed16_needs_cuda(trainer)
         manual = not bool(getattr(inner, "automatic_optimization", True))
@@ -277,6 +279,9 @@ class LightningRun:
             self.adapter = RoundTrainer(self, self.callbacks, loggers)
             self.adapter.current_epoch = start_round
             self.adapter.call("setup", "fit")
+            for cb in self.callbacks:  # as lightning.Trainer restores them: after setup, before on_fit_start
+                if cb.state_key in self.saved_callback_states:
+                    cb.load_state_dict(self.saved_callback_states[cb.state_key])
             self.adapter.call("on_fit_start")
         inner.on_fit_start()
         if self.adapter is not None:
@@ -344,6 +349,11 @@ class LightningRun:
                 warnings.warn(f"ReduceLROnPlateau(monitor={cfg.monitor!r}) skipped round {round_idx + 1}: {why}",
                               RuntimeWarning, stacklevel=2)
 
+    def callback_states(self) -> dict[str, Any]:
+        """Every Lightning callback's ``state_dict`` by ``state_key``, for the run's checkpoint
+        (``ModelCheckpoint``'s best models, ``EarlyStopping``'s patience count)."""
+        return {cb.state_key: cb.state_dict() for cb in self.callbacks}
+
     def train_end(self) -> None:
         inner = self.module.inner
         if self.adapter is not None:
@@ -354,14 +364,17 @@ class LightningRun:
         inner.on_fit_end()
 
     def teardown(self, error: BaseException | None) -> None:
-        """Always, also after a failure: callbacks' ``on_exception`` / ``teardown``, the module's
-        ``teardown("fit")``, then the module is detached from the run."""
+        """Always, also after a failure, in ``lightning.Trainer``'s order: callbacks' ``on_exception``,
+        the DataModule's ``teardown("fit")``, callbacks' ``teardown``, the module's ``teardown("fit")``;
+        then the module is detached from the run."""
         module = self.module
         try:
+            if error is not None and self.adapter is not None:
+                for cb in self.callbacks:
+                    cb.on_exception(self.adapter, module.inner, error)
+            if module.datamodule is not None:
+                module.datamodule.teardown("fit")
             if self.adapter is not None:
-                if error is not None:
-                    for cb in self.callbacks:
-                        cb.on_exception(self.adapter, module.inner, error)
                 self.adapter.call("teardown", "fit")
             if module._attached:
                 module.inner.teardown("fit")

@@ -244,7 +244,7 @@ class FederatedTrainer:
         state = ckpt.load(ckpt_path) if ckpt_path else None
         if self.comm is None:
             self.comm = make_communicator(self.communicator_kind, "cuda" if self._wants_cuda() else "cpu")
-        lightning_run = LightningRun(self, module, data)
+        self._lightning_run = lightning_run = LightningRun(self, module, data)
         try:  # teardown, also after a failed set-up or round: the user's module is left clean
             self._fit(module, data, state, lightning_run)
         except BaseException as exc:
@@ -555,6 +555,7 @@ class FederatedTrainer:
             "secure": self.secure,
             "sampler": (self.sampler.kind, self.sampler.clients_per_round, self.sampler.rate),
             "plugins": ckpt.plugin_states(self.plugins),
+            "callbacks": self._lightning_run.callback_states(),
             "client_states": client_states,
             "config": self.config if self.config is not None else self._python_config(),
             "history": list(self.history),
@@ -605,6 +606,7 @@ class FederatedTrainer:
         require(state["round"] <= self.rounds, "trainer.rounds", self.rounds,
                 f"the checkpoint is already at round {state['round']}", f"set rounds >= {state['round']}")
         fresh = ckpt.restore_plugins(self.plugins, state["plugins"], state["round"])
+        self._lightning_run.saved_callback_states = state.get("callbacks", {})
         self.resume_changes = ckpt.config_changes(state.get("config") or {},
                                                   self.config if self.config is not None else self._python_config())
         if self.is_global_zero and self.enable_summary:

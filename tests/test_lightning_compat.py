@@ -463,6 +463,23 @@ def test_early_stopping_stops_the_run_after_a_round(log_dir):
     assert "my_val_loss" in trainer.history[-1]  # the last round trained is evaluated and tested as usual
 
 
+def test_early_stopping_patience_survives_resume(log_dir, tmp_path):
+    def stop():
+        return EarlyStopping(monitor="my_val_loss", patience=3, min_delta=10.0)  # only round 1 "improves"
+
+    whole = quiet_trainer(log_dir, rounds=8, clients_per_round=2, callbacks=[stop()])
+    whole.fit(TinyClassifier(), tiny_data())
+    assert len(whole.history) == 4  # round 1 sets the best, rounds 2-4 use up the patience
+
+    first = quiet_trainer(log_dir, rounds=2, clients_per_round=2, callbacks=[stop()], checkpoint_every=1,
+                          checkpoint_dir=str(tmp_path))
+    first.fit(TinyClassifier(), tiny_data())
+    resumed = quiet_trainer(log_dir, rounds=8, clients_per_round=2, callbacks=[stop()])
+    resumed.fit(TinyClassifier(), tiny_data(), ckpt_path=str(tmp_path / "round-000002.ckpt"))
+    assert len(resumed.history) == 4  # a fresh EarlyStopping would take round 3 as its best and run to 6
+    assert [h["my_val_loss"] for h in resumed.history] == pytest.approx([h["my_val_loss"] for h in whole.history])
+
+
 def test_the_modules_configure_callbacks_are_added(log_dir):
     class Stops(TinyClassifier):
         def configure_callbacks(self):
@@ -543,6 +560,9 @@ class DictDataModule(L.LightningDataModule):
     def setup(self, stage):
         self.train, self.val, self.test = RecordsWithNoise(96, 0), RecordsWithNoise(40, 1), RecordsWithNoise(40, 2, 3.0)
 
+    def teardown(self, stage):
+        self.torn_down = getattr(self, "torn_down", []) + [stage]
+
     def _collate(self, items):
         self.collate_calls += 1
         return collate_records(items)
@@ -598,6 +618,7 @@ def test_datamodule_collate_dict_batches_and_validation_set(log_dir, plugins):
     assert dm.transfers > 0
     assert last["val_loss"] != pytest.approx(last["test_loss"])  # val_dataloader, not the test set
     assert last["val_acc"] > 0.7
+    assert dm.torn_down == ["fit"]  # as lightning.Trainer.fit ends
 
 
 def test_label_aware_partitions_read_dict_records(log_dir):

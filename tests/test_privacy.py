@@ -14,7 +14,7 @@ from scipy import optimize, stats
 
 from dpfl_lightning import ConfigError
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping, UpdateNormalization
-from dpfl_lightning.privacy import GaussianRelease, calibrate_noise, epsilon, max_steps
+from dpfl_lightning.privacy import GaussianRelease, Release, calibrate_noise, epsilon, max_steps
 from dpfl_lightning.privacy.accountants import DEFAULT_RDP_ORDERS, fast_rdp_poisson_gaussian, rdp_curve
 from dpfl_lightning.plugins import PrivacyLedger
 from helpers import TinyClassifier, quiet_trainer, tiny_data
@@ -67,6 +67,44 @@ def test_full_participation_pld_matches_the_gaussian_dp_closed_form():
     exact = optimize.brentq(lambda e: stats.norm.cdf(-e / mu + mu / 2) - math.exp(e) * stats.norm.cdf(-e / mu - mu / 2) - delta, 1e-6, 50)
     ours = epsilon(GaussianRelease(z), T, delta, "pld").epsilon
     assert ours == pytest.approx(exact, rel=0.01) and ours >= exact * (1 - 1e-6)
+
+
+def _exact_rr_epsilon(eps0: float, k: int, delta: float) -> float:
+    """k-fold binary randomized response with epsilon0 each, exactly: the privacy loss is
+    eps0 * (2 B - k) with B ~ Binomial(k, e^eps0 / (1 + e^eps0)), and
+    delta(eps) = E[(1 - e^(eps - L))_+] under the first neighbour."""
+    p = math.exp(eps0) / (1 + math.exp(eps0))
+    j = np.arange(k + 1)
+    loss = eps0 * (2 * j - k)
+    pmf = stats.binom.pmf(j, k, p)
+
+    def excess(e):
+        return float(np.sum(pmf * np.clip(1 - np.exp(e - loss), 0, None))) - delta
+    return optimize.brentq(excess, 0.0, k * eps0) if excess(0.0) > 0 else 0.0
+
+
+@pytest.mark.parametrize("k", [1, 4, 30])
+def test_pld_composes_randomized_response_over_steps(k):
+    # A pure-eps0 local randomizer (PrivUnit, RR) used k times: the PLD must grow with k and match
+    # the exact composition (dp_accounting's PLDAccountant alone drops the count).
+    eps0, delta = 1.0, 1e-5
+    rr = dp_accounting.RandomizedResponseDpEvent(2 / (1 + math.exp(eps0)), 2)
+    ours = epsilon(Release((rr,), relation="replace_one"), k, delta, "pld").epsilon
+    exact = _exact_rr_epsilon(eps0, k, delta)
+    assert ours >= exact - 1e-6
+    assert ours == pytest.approx(exact, abs=0.02 * k ** 0.5 + 1e-3)
+
+
+def test_pld_of_gaussian_and_randomized_response_on_one_sample():
+    # A Gaussian (multiplier in units of the neighbours' distance) and an RR release composed:
+    # the PLD must not double the Gaussian's distance under replace-one and must grow with steps.
+    rr = dp_accounting.RandomizedResponseDpEvent(2 / (1 + math.exp(0.5)), 2)
+    both = Release((dp_accounting.GaussianDpEvent(4.0), rr), relation="replace_one")
+    e10 = epsilon(both, 10, 1e-5, "pld").epsilon
+    e40 = epsilon(both, 40, 1e-5, "pld").epsilon
+    gauss_only = epsilon(GaussianRelease(4.0), 10, 1e-5, "pld").epsilon
+    assert e40 > e10 > gauss_only
+    assert e10 <= epsilon(both, 10, 1e-5, "rdp").epsilon + 1e-6  # never looser than RDP
 
 
 def test_vectorised_rdp_curve_matches_dp_accounting():

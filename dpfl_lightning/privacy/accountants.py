@@ -210,14 +210,39 @@ def _base_pld(release: Release, discretization: float):
         value_discretization_interval=discretization, neighboring_relation=relation)
 
 
+def _unsampled_event_pld(event: dp_accounting.DpEvent, discretization: float):
+    """The PLD of one unsampled event in our units (multiplier = scale / distance between the
+    neighbours' outputs), whatever the relation: only the distance matters without sampling.
+    Randomized response is defined on replaced records, which is its relation."""
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        return dp_pld.privacy_loss_distribution.from_gaussian_mechanism(
+            standard_deviation=event.noise_multiplier, value_discretization_interval=discretization)
+    if isinstance(event, dp_accounting.LaplaceDpEvent):
+        return dp_pld.privacy_loss_distribution.from_laplace_mechanism(
+            parameter=event.noise_multiplier, value_discretization_interval=discretization)
+    if isinstance(event, dp_accounting.RandomizedResponseDpEvent):
+        return dp_pld.privacy_loss_distribution.from_randomized_response(
+            noise_parameter=event.noise_parameter, num_buckets=event.num_buckets,
+            value_discretization_interval=discretization)
+    raise TypeError(f"no PLD for {type(event).__name__}")
+
+
 def _pld_epsilon(release: Release, steps: int, delta: float, discretization: float) -> float:
     if steps == 0:
         return 0.0
     if not release.gaussian:
+        # One release's PLD, composed over its events and then with itself ``steps`` times.
+        # (dp_accounting's PLDAccountant drops the count of a self-composed randomized response.)
         release, _ = _unamplified(release)
-        acc = dp_pld.PLDAccountant(RELATIONS[release.relation], value_discretization_interval=discretization)
-        acc.compose(dp_accounting.SelfComposedDpEvent(release.dp_event(), steps))
-        return float(acc.get_epsilon(delta))
+        if any(isinstance(e, dp_accounting.RandomizedResponseDpEvent) and e.noise_parameter == 0
+               for e in release.events) or any(
+                isinstance(e, dp_accounting.LaplaceDpEvent) and e.noise_multiplier == 0 for e in release.events):
+            return math.inf
+        plds = [_unsampled_event_pld(e, discretization) for e in release.events]
+        one = plds[0]
+        for other in plds[1:]:
+            one = one.compose(other)
+        return float(one.self_compose(steps).get_epsilon_for_delta(delta))
     if release.noise_multiplier == 0:
         return math.inf
     return float(_base_pld(release, discretization).self_compose(steps).get_epsilon_for_delta(delta))

@@ -236,6 +236,16 @@ def test_target_epsilon_calibrates_the_noise(log_dir):
     assert 3.0 * 0.99 <= trainer.history[-1]["epsilon"] <= 3.0
 
 
+def test_target_epsilon_without_delta_uses_the_default_delta(log_dir):
+    # 40 clients: the default delta is a power of ten at most 0.1 / 40
+    noise = GaussianNoise(target_epsilon=3.0, placement="central")
+    trainer = quiet_trainer(log_dir, rounds=5, clients_per_round=4, sampling="poisson",
+                            plugins=[UpdateNormalization(1.0), noise])
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+    assert noise.delta == 1e-3
+    assert 3.0 * 0.99 <= trainer.history[-1]["epsilon"] <= 3.0
+
+
 def test_zero_noise_is_refused_unless_infinite_epsilon_is_allowed(log_dir):
     from dpfl_lightning.algorithms import PFL, DPFedAvg
     from dpfl_lightning.plugins import DPSGD

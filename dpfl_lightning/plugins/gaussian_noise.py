@@ -136,7 +136,7 @@ class GaussianNoise(FederatedCallback):
                               "add UpdateClipping(C) or UpdateNormalization(C) to the plugins, or give std=")
         if self.target_epsilon is not None:
             if self.delta is None:
-                self.delta = ctx.privacy.default_delta
+                self.delta = ctx.privacy.default_delta("client")
             main = lambda z: guarantees([self._mechanism(z)], ctx.sampler.accounted())[0]  # noqa: E731
             self.noise_multiplier = ctx.privacy.calibrate(main, self.target_epsilon, self.delta, self.accountant)
 

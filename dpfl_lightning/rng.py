@@ -49,8 +49,14 @@ PLUGIN = 100  # plugins add their own offset (e.g. PLUGIN + 10) for further stre
 
 SERVER_CLIENT = -1  # the "client" of draws that belong to the server
 
-# Purposes whose draws a DP guarantee relies on: secure mode draws them from the CSPRNG.
+# Purposes whose draws a DP guarantee relies on: secure mode draws them from the CSPRNG. So does
+# every plugin purpose (>= PLUGIN): a plugin's stream is presumed to be part of a mechanism.
 PRIVATE_PURPOSES = frozenset({SAMPLING, CLIENT_NOISE, CENTRAL_NOISE, RECORD_SAMPLING, RECORD_NOISE, COIN})
+
+
+def is_private(purpose: int) -> bool:
+    """Whether secure mode draws ``purpose``'s stream from the CSPRNG."""
+    return purpose in PRIVATE_PURPOSES or purpose >= PLUGIN
 
 NOISE_BLOCK = 1 << 22  # normals drawn per block when noise is added in place
 _MT_WORDS = 624
@@ -71,13 +77,21 @@ def _encode(*parts: int) -> bytes:
         return bytes(out)
 
 
-def derive_key(seed: int, round_idx: int, client: int, purpose: int, secret: bytes | None = None) -> bytes:
-    """The 128-bit key of one stream: BLAKE2b of the parts, keyed by ``secret`` in secure mode."""
+def derive_key(seed: int, round_idx: int, client: int, purpose: int, secret: bytes | None = None,
+               tag: str = "") -> bytes:
+    """The 128-bit key of one stream: BLAKE2b of the parts, keyed by ``secret`` in secure mode.
+
+    ``tag`` separates streams of one purpose that must be independent (two noise mechanisms on
+    different segments); tagged keys use their own BLAKE2b personalisation, so they never equal an
+    untagged key, and the empty tag gives the untagged key."""
+    data = _encode(seed, round_idx, client, purpose)
+    person = b"dpfl-sim" if secret is None else b"dpfl-sec"
+    if tag:
+        data += tag.encode("utf-8")
+        person += b"-tag"
     if secret is None:
-        h = hashlib.blake2b(_encode(seed, round_idx, client, purpose), digest_size=16, person=b"dpfl-sim")
-    else:
-        h = hashlib.blake2b(_encode(seed, round_idx, client, purpose), digest_size=16, key=secret, person=b"dpfl-sec")
-    return h.digest()
+        return hashlib.blake2b(data, digest_size=16, person=person).digest()
+    return hashlib.blake2b(data, digest_size=16, key=secret, person=person).digest()
 
 
 _MT_TEMPLATE = np.zeros(_STATE_BYTES, dtype=np.uint8)
@@ -257,13 +271,15 @@ class RandomSource:
     def secure(self) -> bool:
         return self._secret is not None
 
-    def key(self, round_idx: int, client: int, purpose: int) -> bytes:
-        return derive_key(self.seed, round_idx, client, purpose, self._secret)
+    def key(self, round_idx: int, client: int, purpose: int, tag: str = "") -> bytes:
+        return derive_key(self.seed, round_idx, client, purpose, self._secret, tag)
 
-    def stream(self, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu") -> Stream:
-        key = self.key(round_idx, client, purpose)
-        if self.secure and purpose in PRIVATE_PURPOSES:
-            return SecureStream(key, derive_key(self.seed, round_idx, client, purpose + 10_000, self._secret))
+    def stream(self, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu",
+               tag: str = "") -> Stream:
+        """The stream of ``(round, client, purpose)`` (and ``tag``, see :func:`derive_key`)."""
+        key = self.key(round_idx, client, purpose, tag)
+        if self.secure and is_private(purpose):
+            return SecureStream(key, derive_key(self.seed, round_idx, client, purpose + 10_000, self._secret, tag))
         return TorchStream(key, device)
 
     def generator(self, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -112,3 +112,35 @@ def test_an_undeclared_data_segment_is_refused_in_a_dp_run(log_dir):
         trainer.fit(TinyClassifier(), tiny_data())
     free = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[Undeclared()])  # no DP: fine
     free.fit(TinyClassifier(), tiny_data())
+
+
+def test_two_noise_plugins_on_different_segments_draw_independent_noise(log_dir):
+    # dc is a copy of the update, each noised by its own GaussianNoise: if both drew the same
+    # numbers, update - dc would be exactly zero and the noise would cancel in any difference.
+    class Copy(FederatedCallback):
+        order = 10
+
+        def payload_segments(self, *, ctx):
+            return [Segment("dc", ctx.module.num_parameters, "model", "Copy")]
+
+        def on_client_end(self, *, client):
+            client.payload["dc"].copy_(client.payload["update"])
+
+    class Seen(FederatedCallback):
+        order = 300
+
+        def __init__(self):
+            self.pairs = []
+
+        def on_client_end(self, *, client):
+            self.pairs.append((client.payload["update"].clone(), client.payload["dc"].clone()))
+
+    seen = Seen()
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=3,
+                            plugins=[Copy(), UpdateClipping(1.0, segments=["update", "dc"]),
+                                     GaussianNoise(noise_multiplier=1.0, placement="local", segments=["update"]),
+                                     GaussianNoise(noise_multiplier=1.0, placement="local", segments=["dc"]), seen])
+    trainer.fit(TinyClassifier(), tiny_data())
+    for update, dc in seen.pairs:
+        diff = update - dc  # n1 - n2: N(0, 2) per coordinate when independent
+        assert diff.std().item() == pytest.approx(math.sqrt(2.0), rel=0.25)

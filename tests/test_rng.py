@@ -63,3 +63,20 @@ def test_secure_streams_are_unit_normal_and_uniform():
     # distinct keys, distinct streams; the same key, the same stream within a run (every rank agrees)
     assert not torch.equal(src.stream(0, 1, rng.CLIENT_NOISE).uniform(8), src.stream(0, 2, rng.CLIENT_NOISE).uniform(8))
     assert torch.equal(src.stream(4, 1, rng.CLIENT_NOISE).uniform(8), src.stream(4, 1, rng.CLIENT_NOISE).uniform(8))
+
+
+def test_secure_mode_draws_plugin_purposes_from_the_csprng():
+    # Plugin streams (FedEXP's xi noise, adaptive clipping's count noise, PrivUnit) are mechanisms:
+    # in secure mode they must be CSPRNG streams, not Mersenne Twister ones.
+    secure = rng.RandomSource(5, rng.new_secret())
+    for purpose in (rng.CLIENT_NOISE, rng.COIN, rng.PLUGIN, rng.PLUGIN + 20, rng.PLUGIN + 40):
+        assert isinstance(secure.stream(0, 1, purpose), rng.SecureStream)
+    assert not isinstance(secure.stream(0, 1, rng.DATA), rng.SecureStream)
+    assert not isinstance(rng.RandomSource(5).stream(0, 1, rng.PLUGIN + 20), rng.SecureStream)
+
+
+def test_tags_separate_streams_and_the_empty_tag_is_the_untagged_key():
+    src = rng.RandomSource(3)
+    assert src.key(1, 2, rng.CLIENT_NOISE, "") == rng.derive_key(3, 1, 2, rng.CLIENT_NOISE)
+    keys = {src.key(1, 2, rng.CLIENT_NOISE, t) for t in ("", "update", "dc", "update,dc")}
+    assert len(keys) == 4

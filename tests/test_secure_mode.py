@@ -52,11 +52,19 @@ def test_a_seed_search_over_the_logged_config_does_not_find_the_noise(log_dir):
     client, r = after.clients[0], 0
     logged_seed = trainer.seed
     for seed in [logged_seed, *range(300)]:
-        candidates = [rng.RandomSource(seed).stream(r, client, rng.CLIENT_NOISE).normal(noise.shape, 1.0),
+        candidates = [rng.RandomSource(seed).stream(r, client, rng.CLIENT_NOISE, tag="update").normal(noise.shape, 1.0),
                       torch.randn(noise.shape, generator=torch.Generator().manual_seed(seed))]
         for cand in candidates:
             corr = torch.corrcoef(torch.stack([cand, noise]))[0, 1].item()
             assert abs(corr) < 0.2  # a match would give 1
+
+
+def test_the_seed_search_finds_the_noise_of_a_simulation(log_dir):
+    # The attack above is real: without secure mode, the logged seed gives the noise back exactly.
+    trainer, _, after, _ = _run(log_dir, False, seed=11)
+    noise = after.updates[0]
+    cand = rng.RandomSource(trainer.seed).stream(0, after.clients[0], rng.CLIENT_NOISE, tag="update").normal(noise.shape, 1.0)
+    assert torch.corrcoef(torch.stack([cand, noise]))[0, 1].item() > 0.999
 
 
 def test_dpsgd_noise_differs_between_secure_runs(log_dir):

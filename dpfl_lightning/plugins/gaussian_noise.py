@@ -109,9 +109,18 @@ class GaussianNoise(FederatedCallback):
         self.delta = delta
         self.accountant = accountant
         self.segments = tuple(segments)
+        # Noise of distinct mechanisms must be independent: with one stream per (round, client), two
+        # instances on different segments would add the same draws, and their difference would
+        # release the segments' difference un-noised.
+        self._tag = ",".join(self.segments)
         self.allow_infinite_epsilon = allow_infinite_epsilon
         self._bound: Callable[[], float] | None = None
         self._cohort_size = 1
+
+    @property
+    def state_key(self) -> str:
+        """One key per set of segments, so instances on different segments can run together."""
+        return "GaussianNoise" if self.segments == (UPDATE,) else f"GaussianNoise[{self._tag}]"
 
     @property
     def sensitivity(self) -> float | None:
@@ -170,14 +179,14 @@ class GaussianNoise(FederatedCallback):
         if self.placement == "central":
             return
         std = self._round_sigma if self.placement == "local" else self._round_sigma / math.sqrt(self._cohort_size)
-        stream = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE)
+        stream = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE, tag=self._tag)
         for name in self.segments:
             stream.add_normal_(client.payload[name], std)
 
     def on_aggregate(self, *, server) -> None:
         if self.placement != "central":
             return
-        stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE)
+        stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, tag=self._tag)
         for name in self.segments:
             stream.add_normal_(server.aggregate[name], self._round_sigma)
 

@@ -94,6 +94,40 @@ def test_the_secret_is_in_no_file_the_run_writes(tmp_path):
         assert secret not in data and secret.hex().encode() not in data, f
 
 
+def test_secure_checkpoints_do_not_reveal_cohorts(tmp_path):
+    # Two successive checkpoints' per-client participation counts would give the round's cohort,
+    # which the secure guarantee (amplification by sampling) keeps secret.
+    from dpfl_lightning import checkpoint
+
+    def plugin_state_counts(secure):
+        ledger = PrivacyLedger(delta=1e-4)
+        d = tmp_path / str(secure)
+        t = quiet_trainer(str(d), rounds=3, clients_per_round=5, sampling="poisson", secure=secure, checkpoint_every=1,
+                          plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement="local"), ledger])
+        t.fit(TinyClassifier(), tiny_data(num_clients=30))
+        files = sorted(glob.glob(str(d / "**" / "*.ckpt"), recursive=True))
+        assert files
+        found = []
+        for f in files:
+            blob = checkpoint.load(f)
+            found += [v for k, v in _walk(blob) if k.endswith("counts") and v]
+        return found, ledger
+
+    found, ledger = plugin_state_counts(False)
+    assert found  # a simulation checkpoints them (the seed gives the cohorts anyway)
+    found, ledger = plugin_state_counts(True)
+    assert not found
+    assert all(not c.any() for c in ledger.counts.values())
+    assert math.isfinite(ledger.client_epsilon(0))
+
+
+def _walk(obj, prefix=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{prefix}.{k}")
+            yield f"{prefix}.{k}", v
+
+
 def test_secure_per_client_epsilon_uses_a_binomial_participation_bound(log_dir):
     ledger = PrivacyLedger(delta=1e-4)
     rounds, q, z = 6, 5 / 30, 1.5

@@ -167,6 +167,8 @@ class PrivacyLedger(FederatedCallback):
         g = self.guarantees[index]
         for k, p in enumerate(g.profiles):
             if p.clients is None or client in p.clients:
+                if g.per_client and self.secure:  # no counts are kept: the participation bound
+                    return self._eps(index, k, self._profile_compositions(g, k, self.rounds, None))
                 n = int(self.counts[g.name][client]) if g.per_client else self.rounds
                 return self._eps(index, k, n)
         raise KeyError(client)
@@ -251,17 +253,19 @@ class PrivacyLedger(FederatedCallback):
             return
         self.rounds += 1
         members = self._round_members(self._pending)
-        self._busiest.update(self._busiest_after(members))
+        if not self.secure:  # secure mode keeps no per-client counts: they would reveal the cohorts
+            self._busiest.update(self._busiest_after(members))
+            for name, parts in members.items():
+                for m, steps in parts:
+                    self.counts[name][m] += steps
         for name, parts in members.items():
-            for m, steps in parts:
-                self.counts[name][m] += steps
             self.max_steps[name] = max(self.max_steps[name], max(steps for _, steps in parts))
         eps = self.epsilons()
         metrics["epsilon"] = eps[self.main]
         for name, value in eps.items():
             if name != self.main:
                 metrics[f"epsilon_{name}"] = value
-        nxt = server.next_plan() if server.next_plan is not None else None
+        nxt = server.next_plan() if server.next_plan is not None and self.budget is not None else None
         if nxt is not None:  # decide now, so that this round's row gets the final test
             eps_next = self._over_budget(nxt)
             if eps_next is not None:
@@ -273,7 +277,9 @@ class PrivacyLedger(FederatedCallback):
         return [(g.name, g.profiles) for g in self.guarantees] + [("delta", self.delta), ("secure", self.secure)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "counts": {k: v.copy() for k, v in self.counts.items()},
+        # Secure mode: no per-client counts in checkpoints (two checkpoints would give a round's cohort).
+        counts = {} if self.secure else {k: v.copy() for k, v in self.counts.items()}
+        return {"rounds": self.rounds, "counts": counts,
                 "max_steps": dict(self.max_steps), "delta": self.delta, "accountant": self.accountant,
                 "releases": self._releases()}
 
@@ -283,7 +289,7 @@ class PrivacyLedger(FederatedCallback):
                               f"the checkpoint's ledger used other delta/accountant than this run's "
                               f"({self.delta}, {self.accountant})", "resume with the same PrivacyLedger settings")
         self.rounds = int(state["rounds"])
-        self.counts = {k: np.asarray(v, dtype=np.int64).copy() for k, v in state["counts"].items()}
+        self.counts.update({k: np.asarray(v, dtype=np.int64).copy() for k, v in state["counts"].items()})
         self.max_steps = dict(state.get("max_steps", {}))
         for g in self.guarantees:
             if g.per_client and g.name in self._profile_of:

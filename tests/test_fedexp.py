@@ -176,3 +176,14 @@ def test_fedexp_gets_closer_to_the_shared_optimum_than_fedavg(log_dir):
     fedexp, t = distance(FedEXP(average_last=1))
     assert fedexp < fedavg < start
     assert max(h["eta_g"] for h in t.history) > 1.5
+
+
+def test_linear_regression_test_records_are_fresh_draws():
+    # The global test set must not hold training records (test_set_from_clients is False).
+    from dpfl_lightning.data import SyntheticLinearRegression
+
+    data = SyntheticLinearRegression(num_clients=30, samples_per_client=5, dim=10, seed=1)
+    train, test, clients = data.load()
+    (x, _), (xt, yt) = train.tensors, test.tensors
+    assert len(xt) == 60 and torch.allclose(xt @ data.w_star, yt)
+    assert torch.cdist(xt, x).min() > 1e-3

@@ -140,18 +140,22 @@ def linear_regression_target(dim: int, seed: int = 0) -> torch.Tensor:
 
 @lru_cache(maxsize=8)
 def linear_regression_problem(num_clients: int = 1000, samples_per_client: int = 20, dim: int = 100,
-                              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              seed: int = 0, test_per_client: int = 0):
     """Paper 002 App. G's synthetic linear regression (after Li et al. 2020 and FedEXP): a shared
     target ``w* ~ N(0, I_d)``; client ``i`` draws ``u_i ~ N(0, 0.1)``, ``m_i ~ N(u_i, 1)`` and its
     inputs ``x ~ N(m_i, I_d)``, labels ``y = x^T w*`` (no noise: every client shares the minimiser).
-    Returns ``(x [M * n, d], y [M * n], w* [d])``."""
+    Returns ``(x [M * n, d], y [M * n], w* [d])``; with ``test_per_client = k > 0`` also
+    ``(x_test [M * k, d], y_test [M * k])``: ``k`` further records of every client's distribution,
+    drawn after (and independently of) the training records, which do not change with ``k``."""
     g = torch.Generator().manual_seed(seed)
     w_star = torch.randn(dim, generator=g)  # the first draw: linear_regression_target(dim, seed)
     u = torch.randn(num_clients, 1, generator=g) * math.sqrt(0.1)
     m = u + torch.randn(num_clients, dim, generator=g)
-    x = m.unsqueeze(1) + torch.randn(num_clients, samples_per_client, dim, generator=g)
-    x = x.reshape(-1, dim)
-    return x, x @ w_star, w_star
+    x = (m.unsqueeze(1) + torch.randn(num_clients, samples_per_client, dim, generator=g)).reshape(-1, dim)
+    if not test_per_client:
+        return x, x @ w_star, w_star
+    xt = (m.unsqueeze(1) + torch.randn(num_clients, test_per_client, dim, generator=g)).reshape(-1, dim)
+    return x, x @ w_star, w_star, xt, xt @ w_star
 
 
 class SyntheticLinearRegression(FederatedDataModule):
@@ -170,8 +174,8 @@ class SyntheticLinearRegression(FederatedDataModule):
         return linear_regression_problem(self.num_clients, self.samples_per_client, self.dim, self.seed)[2]
 
     def load(self):
-        x, y, _ = linear_regression_problem(self.num_clients, self.samples_per_client, self.dim, self.seed)
-        xt, yt, _ = linear_regression_problem(self.num_clients, 2, self.dim, self.seed)  # same w*, other draws
+        x, y, _, xt, yt = linear_regression_problem(self.num_clients, self.samples_per_client, self.dim, self.seed,
+                                                    test_per_client=2)
         n = self.samples_per_client
         clients = [torch.arange(c * n, (c + 1) * n) for c in range(self.num_clients)]
         return TensorDataset(x, y), TensorDataset(xt, yt), clients

@@ -98,4 +98,8 @@ class ReleaseList:
                          + ", ".join(sorted(self.released_unaccounted)))
         if self.private and self.withheld:
             lines.append("withheld from the logs (un-noised client statistics): " + ", ".join(sorted(self.withheld)))
+        if self.private and "round_time_s" in self.withheld:
+            lines.append("timing is not covered: W&B's _timestamp/_runtime and the console's elapsed time still say "
+                         "when each round ended, which depends on the cohort's data; give the logs to untrusted "
+                         "readers without their clocks")
         return lines

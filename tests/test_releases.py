@@ -101,6 +101,7 @@ def test_an_undeclared_plugin_metric_is_withheld_in_a_dp_run(log_dir):
     trainer.fit(TinyClassifier(), tiny_data())
     assert "raw_statistic" not in trainer.history[0]
     assert "raw_statistic" in trainer.run.releases.withheld
+    assert any("timing is not covered" in line for line in trainer.run.releases.describe())
     free = quiet_trainer(log_dir, rounds=1, clients_per_round=3, plugins=[Undeclared()])  # no DP: no filter
     free.fit(TinyClassifier(), tiny_data())
     assert free.history[0]["raw_statistic"] == 1.0

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
@@ -296,7 +297,8 @@ class FederatedTrainer:
                     lg.log_metrics(row, step=r + 1)
                     lg.save()
                 progress.update(row)
-                if self.checkpoint_every and ((r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds):
+                if self.checkpoint_every and ((r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds
+                                              or self.should_stop):  # an early stop keeps its last round
                     self.save_checkpoint(os.path.join(self.checkpoint_dir, f"round-{r + 1:06d}.ckpt"), r + 1)
             lightning_run.train_end()
         finally:
@@ -617,6 +619,7 @@ class FederatedTrainer:
                 print(f"resume: changed since the checkpoint: {line}", flush=True)
         module.global_params.copy_(state["global_params"].to(module.global_params.device))
         module.load_global()
-        self.client_states = {c: s for c, s in state["client_states"].items() if self.owner(c) == self.rank}
+        self.client_states = {c: move_data_to_device(s, self.run.device)  # checkpoints load on the CPU
+                              for c, s in state["client_states"].items() if self.owner(c) == self.rank}
         self.history = list(state.get("history", []))
         return int(state["round"])

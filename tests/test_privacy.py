@@ -7,6 +7,7 @@ import os
 import dp_accounting
 import numpy as np
 import pytest
+import torch
 from dp_accounting import pld as dp_pld
 from dp_accounting import rdp as dp_rdp
 from dp_accounting.privacy_accountant import NeighboringRelation
@@ -201,6 +202,18 @@ def test_budget_stops_before_exceeding(log_dir):
     assert trainer.history[-1]["epsilon"] <= budget < full[6]
     assert "privacy budget" in trainer.stop_reason
     assert "my_val_acc" in trainer.history[-1]
+
+
+def test_a_budget_stop_checkpoints_its_last_round(tmp_path):
+    from dpfl_lightning import checkpoint as ckpt
+
+    full = [_reference_rdp(0.1, 1.5, t, 1e-4) for t in range(1, 40)]
+    budget = (full[5] + full[6]) / 2  # exactly 6 rounds fit
+    trainer = _dp_trainer(str(tmp_path), sampling="poisson", rounds=30, checkpoint_every=4,
+                          ledger=PrivacyLedger(delta=1e-4, budget=budget))
+    out = trainer.fit(TinyClassifier(), tiny_data(num_clients=40))
+    last = ckpt.load(os.path.join(trainer.checkpoint_dir, "last.ckpt"))
+    assert last["round"] == 6 and torch.equal(last["global_params"], out.global_params)
 
 
 def test_resumed_ledger_continues_exactly(tmp_path):

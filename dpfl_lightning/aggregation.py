@@ -35,7 +35,7 @@ HEADROOM_BITS = 8
 
 def grid_exponent(bound: float, n_rows: int) -> int:
     """``L`` of the grid ``2^L`` for values up to ``bound`` summed over ``n_rows`` rows."""
-    _, e = math.frexp(max(bound, 2.0**-1000))  # bound < 2**e
+    _, e = math.frexp(max(bound, 2.0**-900))  # bound < 2**e (a zero bound: a tiny grid whose scale fits a float)
     return e + math.ceil(math.log2(max(n_rows, 1))) - 51 + HEADROOM_BITS
 
 
@@ -164,6 +164,14 @@ class PayloadAggregator:
                                        "plugins' settings") from exc
         if self.exact:
             for a, b, L in self._scales:  # from grid units back to values: exact (a power of two), and
+                # A sum beyond 2^53 grid units means values far above their declared bound (the
+                # headroom is 2^8): the sum would no longer be exact. One pass over d per round.
+                if self._acc[a:b].numel() and float(self._acc[a:b].abs().amax()) >= 2.0**53:
+                    name = next(s.name for s in self.layout.segments if self.layout.offsets[s.name] == (a, b))
+                    raise NonFiniteUpdateError(
+                        f"payload segment {name!r} holds values far above the bound its plugins declared "
+                        f"(value_bound); its sum would not be exact. Fix: make the plugins' value_bound cover "
+                        f"what they write, or set trainer.exact_aggregation=false")
                 self._acc[a:b].mul_(2.0**L)  # multiples of 2^L below 2^(L+53) add exactly across ranks
         comm.allreduce_sum_(self._acc)  # in place: the sums are the round's until the next start()
         return self.layout.views(self._acc)

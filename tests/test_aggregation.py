@@ -71,6 +71,18 @@ def test_streamed_sums_are_identical_for_any_split_and_order(overshoot):
     assert ((ref - exact)[501:].abs() <= 1e-12 * rows[:, 501:].abs().max().double() * n).all()
 
 
+@pytest.mark.parametrize("declared", [1e-6, 0.0])
+def test_values_far_above_their_declared_bound_are_refused_not_summed_inexactly(declared):
+    # A plugin that declares too small a value_bound would make the fixed grid overflow float64's
+    # exact range: the round must fail with the segment's name, not return an inexact sum.
+    from dpfl_lightning.errors import NonFiniteUpdateError
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(20, 504, generator=g)
+    with pytest.raises(NonFiniteUpdateError, match="'update'.*value_bound"):
+        _aggregate(rows, [range(20)], [0], {"update": declared, "norm_sq": 1.0, "raw": None})
+
+
 def test_a_bounded_run_keeps_no_rows_and_an_unbounded_one_says_so(log_dir):
     t = quiet_trainer(log_dir, rounds=1, clients_per_round=5,
                       plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement="local")])

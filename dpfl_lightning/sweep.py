@@ -274,11 +274,28 @@ def configurations(sweep: Sweep, count: int | None = None, seed: int = 0) -> lis
             raise _err("run_cap", None, "a random search needs a number of runs", "set run_cap: N or pass --count N")
         rng = np.random.default_rng(seed)
         configs = [{k: _draw(s, rng) for k, s in sweep.parameters.items()} for _ in range(n)]
-    constant = constant_parameters(sweep)
     unique: dict[str, dict[str, Any]] = {}
-    for c in configs:
-        unique.setdefault(run_name(c, constant), c)
+    for c in configs:  # the same values once (by value, not by the lossy run name)
+        unique.setdefault(_fingerprint(c), c)
     return list(unique.values())
+
+
+def _fingerprint(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=repr)
+
+
+def run_names(configs: list[dict[str, Any]], constant: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """:func:`run_name` of each configuration, made distinct: a configuration whose name an earlier
+    one already took (values that differ only in characters a directory name cannot hold) gets a
+    hash of its parameters appended."""
+    names, taken = [], set()
+    for c in configs:
+        name = run_name(c, constant)
+        if name in taken:
+            name = f"{name[: MAX_NAME - 9]}-{hashlib.sha1(_fingerprint(c).encode()).hexdigest()[:8]}"
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 # ---------------------------------------------------------------------------------------- names and commands
@@ -489,6 +506,8 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
         raise ConfigError("--mpi", mpi, "must be >= 1", "give the number of ranks, e.g. --mpi 2")
     directory = directory or os.path.join("sweeps", sweep.name)
     runs_dir = os.path.join(directory, "runs")
+    if count is not None and (not isinstance(count, int) or count < 1):
+        raise ConfigError("--count", count, "must be a whole number >= 1", "set --count 1 or more, or leave it out")
     configs = configurations(sweep, count, seed)
     for note in sweep.notes:
         print(f"dpfl sweep: note: {note}", file=out, flush=True)
@@ -504,9 +523,8 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
     results: dict[str, RunResult] = {}
     todo: list[tuple[str, dict[str, Any], list[str]]] = []
     total = len(configs)
-    constant = constant_parameters(sweep)
-    for params in configs:
-        name = run_name(params, constant)
+    names = run_names(configs, constant_parameters(sweep))
+    for name, params in zip(names, configs):
         json_file = os.path.join(directory, "args", f"{name}.json")
         cmd = build_command(sweep, params, mpi=mpi, log_dir=runs_dir, name=name, json_file=json_file)
         done = _read_json(os.path.join(directory, "done", f"{name}.json"))
@@ -551,7 +569,16 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
                 log.write("$ " + " ".join(_quote(c) for c in cmd) + "\n")
                 log.flush()
                 print(f"[{started}/{len(todo)}] {name}: started", file=out, flush=True)
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+                try:
+                    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+                except OSError as exc:  # the launcher is missing or not executable: this run fails, the sweep goes on
+                    log.close()
+                    message = f"could not start {cmd[0]!r}: {exc}"
+                    _write_json(os.path.join(directory, "failed", f"{name}.json"),
+                                {"name": name, "params": params, "command": cmd, "returncode": None, "error": message})
+                    results[name] = RunResult(name, params, "failed", 0.0, 127, message)
+                    print(f"{name}: failed to start: {message}", file=out, flush=True)
+                    continue
                 running.append((name, params, cmd, proc, log, time.perf_counter()))
             time.sleep(0.2)
             for item in list(running):
@@ -589,7 +616,7 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
                 proc.kill()
             log.close()
         raise
-    ordered = [results[run_name(p, constant)] for p in configs]
+    ordered = [results[name] for name in names]
     if not dry_run:
         print_runs(ordered, sweep.metric, out)
     return ordered

@@ -1,6 +1,6 @@
 import os
 
-os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ["WANDB_MODE"] = "disabled"  # never a live W&B run from a test, whatever the shell says
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest  # noqa: E402

@@ -189,3 +189,24 @@ def test_example_sweeps_are_valid_fit_command_lines(name, monkeypatch):
         else:
             assert trainer.algorithm.init_args.noise_multiplier == 9.81
             assert trainer.algorithm.init_args.placement == "distributed"  # carried over from the base
+
+
+def test_configurations_differing_only_in_unsafe_characters_all_run(tmp_path):
+    # "a/b" and "a-b" make the same directory-safe name: both must be kept, under distinct names
+    path = _write(tmp_path, {"trainer.run_tag": {"values": ["a/b", "a-b", "a/b"]}, "trainer.seed": {"values": [0, 1]}})
+    spec = sweep.load_sweep(path)
+    configs = sweep.configurations(spec)
+    assert len(configs) == 4  # the repeated "a/b" appears once
+    names = sweep.run_names(configs, sweep.constant_parameters(spec))
+    assert len(set(names)) == 4
+    out = io.StringIO()
+    results = sweep.run(path, directory=str(tmp_path / "sw"), dry_run=True, out=out)
+    assert len(results) == 4 and len({r.name for r in results}) == 4
+
+
+def test_a_missing_launcher_fails_its_run_and_the_sweep_goes_on(tmp_path):
+    path = _write(tmp_path, {"trainer.seed": {"values": [0]}}, command=["/nonexistent/launcher", "${args}"])
+    (r,) = sweep.run(path, directory=str(tmp_path / "sw"), out=io.StringIO())
+    assert r.status == "failed" and "could not start" in r.message
+    with pytest.raises(ConfigError, match="--count"):
+        sweep.run(path, directory=str(tmp_path / "sw2"), count=0, out=io.StringIO())

@@ -444,7 +444,7 @@ class FederatedLightningModule:
         self._before_step: StepHook | None = None
         self._lr_factor = 1.0
         self._in_step = False
-        self._all_modules: list[nn.Module] | None = None  # the module tree, for _train_mode
+        self._all_modules: list[nn.Module] | None = None  # the module tree, for _modes
         self._dp_steps = 0
         self._overridden = {h: False for h in _STEP_HOOKS}
         self._automatic = bool(getattr(self.inner, "automatic_optimization", True))
@@ -854,8 +854,9 @@ class FederatedLightningModule:
         context = self._forward_context
         mixed = self._autocast is not None
         shim.training = True
-        was_training = m.training
-        self._train_mode(True)
+        # The submodules keep the train/eval modes the user gave them, as under lightning.Trainer
+        # (>= 2.2), which does not call train() on the module before training (a frozen BatchNorm stays
+        # frozen); evaluation restores every submodule's mode afterwards.
         try:
             m.on_train_epoch_start()
             for epoch, batch_idx, batch in batches:
@@ -912,17 +913,17 @@ class FederatedLightningModule:
             m._fabric_optimizers = []
             self._before_step = None
             self._lr_factor = 1.0
-            if not was_training:
-                m.train(False)
         return ClientRun(steps=steps, samples=samples, lr=lr)
 
-    def _train_mode(self, mode: bool) -> None:
-        """``module.train(mode)``, skipped when every submodule is already in that mode (walking a
-        module with torchmetrics members costs ~0.1 ms, once per client otherwise)."""
+    def _modes(self) -> list[bool]:
+        """Every submodule's train/eval mode (what Lightning's evaluation loop captures)."""
         if self._all_modules is None:
             self._all_modules = list(self.inner.modules())
-        if any(mod.training != mode for mod in self._all_modules):
-            self.inner.train(mode)
+        return [mod.training for mod in self._all_modules]
+
+    def _restore_modes(self, modes: list[bool]) -> None:
+        for mod, mode in zip(self._all_modules, modes):
+            mod.training = mode
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -933,7 +934,7 @@ class FederatedLightningModule:
         shim = self._shim
         step = m.validation_step if stage == "validation" else m.test_step
         flag = "validating" if stage == "validation" else "testing"
-        was_training = m.training
+        modes = self._modes()
         setattr(shim, flag, True)
         context = self._forward_context
         try:
@@ -958,7 +959,7 @@ class FederatedLightningModule:
             if is_overridden(m, f"on_{stage}_model_train"):
                 getattr(m, f"on_{stage}_model_train")()
             else:
-                m.train(was_training)
+                self._restore_modes(modes)  # each submodule's own mode, as Lightning's _ModuleMode does
         return self.logged.results()
 
 

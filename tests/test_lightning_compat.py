@@ -791,7 +791,9 @@ def _boring_loss(model):
         return model.loss(model(x)).item()
 
 
-@pytest.mark.parametrize("plugins", [[], DP_FEDAVG(), [DPSGD(noise_multiplier=0.3, max_grad_norm=5.0)]],
+# z = 0.05: with 2 clients a round, z = 0.3 leaves a coin flip between learning and not (seed-dependent)
+@pytest.mark.parametrize("plugins", [[], [UpdateClipping(1.0), GaussianNoise(noise_multiplier=0.05)],
+                                     [DPSGD(noise_multiplier=0.3, max_grad_norm=5.0)]],
                          ids=["fedavg", "dpfedavg", "dpsgd"])
 @pytest.mark.parametrize("demo", ["BoringModel", "ManualOptimBoringModel"])
 def test_lightning_boring_models(log_dir, demo, plugins):
@@ -829,3 +831,43 @@ def test_lightning_transformer_demo(log_dir, plugins):
     trainer.fit(model, data)
     model.eval()
     assert loss() < before
+
+
+# ---------------------------------------------------------------------------------------- train/eval modes
+class FrozenDropout(L.LightningModule):
+    """A net whose dropout the user switched off (eval mode) in __init__: lightning.Trainer keeps it
+    off in training and after evaluation."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3))
+        self.net[1].eval()
+        self.modes_in_training: set[tuple[bool, bool]] = set()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.modes_in_training.add((self.net[0].training, self.net[1].training))
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_submodule_modes_are_kept_as_under_lightning(log_dir):
+    x, y = torch.randn(40, 5) * 3 + 1, torch.randint(0, 3, (40,))
+    ref = FrozenDropout()
+    _lightning_trainer(limit_val_batches=1).fit(ref, DataLoader(TensorDataset(x, y), batch_size=10),
+                                                DataLoader(TensorDataset(x, y), batch_size=10))
+    assert ref.modes_in_training == {(True, False)} and not ref.net[1].training
+
+    ours = FrozenDropout()
+    data = FederatedDataModule.from_tensors(x, y, num_clients=4, partition="iid", seed=0)
+    t = quiet_trainer(log_dir, rounds=2, clients_per_round=2, eval_every=1)
+    t.fit(ours, data)
+    assert ours.modes_in_training == ref.modes_in_training
+    assert not ours.net[1].training and ours.net[0].training

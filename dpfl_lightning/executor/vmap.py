@@ -124,17 +124,14 @@ class VmapExecutor(Executor):
         idx = data.client_indices(0)[:2]
         batch = tuple(torch.stack([t[idx], t[idx]]) for t in data.in_memory_tensors)
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
-        was_training = module.inner.training
-        module.inner.train()
         try:
-            self._fn(params, batch)
+            self._fn(params, batch)  # in the modes the user gave the submodules, as training runs
         except Exception as exc:  # noqa: BLE001 - any failure of the vectorised step is a refusal
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             hint = " (dropout or another random op in training_step)" if "random" in first.lower() else ""
             raise ConfigError("trainer.executor", "vmap", f"the module's training_step cannot be vectorised{hint}: "
                               f"{type(exc).__name__}: {first[:200]}", "use executor='sequential'") from None
         finally:
-            module.inner.train(was_training)
             for m in module.inner.modules():  # a metric updated by the trial forgets it
                 if isinstance(m, Metric):
                     m.reset()

@@ -896,7 +896,7 @@ class FederatedLightningModule:
                     else:
                         out = m.training_step(batch, batch_idx)
                 if ov["on_train_batch_end"]:
-                    m.on_train_batch_end(out, batch, batch_idx)
+                    m.on_train_batch_end(_batch_outputs(out, automatic, k), batch, batch_idx)
                 steps += 1
                 samples += n
                 if shim.should_stop:  # the module ended this client's local training
@@ -961,6 +961,18 @@ class FederatedLightningModule:
             else:
                 self._restore_modes(modes)  # each submodule's own mode, as Lightning's _ModuleMode does
         return self.logged.results()
+
+
+def _batch_outputs(out: Any, automatic: bool, accumulate: int) -> dict[str, Any]:
+    """What Lightning passes to ``on_train_batch_end``: a dict whose ``loss`` is detached (in automatic
+    optimization divided by ``accumulate_grad_batches``, as the closure's result), ``{}`` for no loss."""
+    if out is None:
+        return {}
+    extra = dict(out) if isinstance(out, Mapping) else {"loss": out}
+    loss = extra.get("loss")
+    if isinstance(loss, torch.Tensor):
+        extra["loss"] = (loss / accumulate).detach().clone() if automatic else loss.detach()
+    return extra
 
 
 class _Closure:

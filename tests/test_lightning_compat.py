@@ -871,3 +871,33 @@ def test_submodule_modes_are_kept_as_under_lightning(log_dir):
     t.fit(ours, data)
     assert ours.modes_in_training == ref.modes_in_training
     assert not ours.net[1].training and ours.net[0].training
+
+
+class OutputsSpy(TinyClassifier):
+    """Returns a dict with an extra key and records what on_train_batch_end receives."""
+
+    def __init__(self, as_dict: bool, **kw):
+        super().__init__(**kw)
+        self.as_dict, self.seen = as_dict, []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.raw = loss.item()
+        return {"loss": loss, "n": len(batch[0])} if self.as_dict else loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        ratio = round(outputs["loss"].item() / self.raw, 5)  # 1 / accumulate_grad_batches
+        self.seen.append((type(outputs).__name__, sorted(outputs), outputs["loss"].requires_grad, ratio))
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_on_train_batch_end_gets_lightnings_outputs(log_dir, as_dict, accumulate):
+    data = tiny_data(num_clients=2)
+    ref = OutputsSpy(as_dict)
+    loader = DataLoader(TensorDataset(*data.in_memory_tensors), batch_size=8)
+    _lightning_trainer(accumulate_grad_batches=accumulate, limit_train_batches=2).fit(ref, loader)
+    ours = OutputsSpy(as_dict)
+    quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=8, local_steps=2,
+                  accumulate_grad_batches=accumulate).fit(ours, data)
+    assert ours.seen == ref.seen

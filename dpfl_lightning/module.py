@@ -613,6 +613,11 @@ class FederatedLightningModule:
         return [h for h, on in self._overridden.items() if on]
 
     @property
+    def overridden_transfer_hooks(self) -> list[str]:
+        """The batch-transfer hooks the module overrides."""
+        return [h for h in _TRANSFER_HOOKS if is_overridden(self.inner, h)]
+
+    @property
     def trainer_shim(self) -> _TrainerShim:
         """What the wrapped module sees as ``self.trainer`` while a run lasts."""
         return self._shim

@@ -22,7 +22,14 @@ class ClipsGradients(TinyClassifier):
         torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
 
 
-@pytest.mark.parametrize("model,match", [(Frozen, "frozen"), (ClipsGradients, "on_before_optimizer_step")])
+class MovesBatches(TinyClassifier):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x * 2, y
+
+
+@pytest.mark.parametrize("model,match", [(Frozen, "frozen"), (ClipsGradients, "on_before_optimizer_step"),
+                                         (MovesBatches, "on_after_batch_transfer")])
 def test_vmap_refuses_what_it_would_not_run(log_dir, model, match):
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap")
     with pytest.raises(ConfigError, match=match):
@@ -35,6 +42,27 @@ class LogsADict(TinyClassifier):
         loss = F.cross_entropy(self(x), y)
         self.log_dict({"ld_loss": loss})
         return loss
+
+
+class LogsWithOptions(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("hidden_loss", loss, logger=False)  # not for the logs
+        self.log("max_loss", loss, reduce_fx="max")
+        self.log("weighted_loss", loss, batch_size=1 + batch_idx)  # the user's own weights
+        return loss
+
+
+def test_vmap_passes_self_log_options_through_like_sequential(log_dir):
+    out = {}
+    for ex in ("sequential", "vmap"):
+        t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex, batch_size=4)
+        t.fit(LogsWithOptions(), tiny_data())
+        out[ex] = t.history[-1]
+    assert "hidden_loss" not in out["vmap"] and "hidden_loss" not in out["sequential"]
+    for key in ("max_loss", "weighted_loss"):
+        assert out["vmap"][key] == pytest.approx(out["sequential"][key], rel=1e-5), key
 
 
 def test_vmap_log_dict_matches_sequential(log_dir):
@@ -58,7 +86,8 @@ class ReadsTheTrainer(TinyClassifier):
 
     def training_step(self, batch, batch_idx):
         if self.recording:
-            self.seen.append((self.current_epoch, self.global_step, batch_idx, self.trainer.is_last_batch))
+            self.seen.append((self.current_epoch, self.global_step, batch_idx, self.trainer.is_last_batch,
+                              self.trainer.training))
         return super().training_step(batch, batch_idx)
 
 
@@ -71,8 +100,9 @@ def test_training_step_reads_the_same_trainer_state_under_vmap(log_dir):
     steps = len(seen["vmap"]) // 3  # vmap records each step once for the whole cohort of a round
     sequential_first_clients = [seen["sequential"][r * 2 * steps + i] for r in range(3) for i in range(steps)]
     assert seen["vmap"] == sequential_first_clients
-    assert {g for _, g, _, _ in seen["vmap"]} == set(range(3 * steps))  # global_step advances every step
-    assert sum(last for *_, last in seen["vmap"]) == 3
+    assert {g for _, g, *_ in seen["vmap"]} == set(range(3 * steps))  # global_step advances every step
+    assert sum(last for *_, last, _ in seen["vmap"]) == 3
+    assert all(training for *_, training in seen["vmap"])
 
 
 def test_dpsgd_refuses_the_vmap_executor(log_dir):

@@ -30,12 +30,14 @@ class _TrainingStep(nn.Module):
         super().__init__()
         self.inner = inner
         self.batch_idx = 0
+        self.log_options: dict[str, tuple[tuple, dict]] = {}  # each name's other self.log arguments
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logged: dict[str, torch.Tensor] = {}
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             logged[name] = torch.as_tensor(value).detach().reshape(())
+            self.log_options[name] = (args, kwargs)  # prog_bar, logger, reduce_fx, batch_size ... as given
 
         def log_dict(dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
             for name, value in dictionary.items():
@@ -87,7 +89,7 @@ class VmapExecutor(Executor):
         if list(m.buffers()):
             raise ConfigError("trainer.executor", "vmap", "the model has buffers (e.g. BatchNorm statistics)",
                               "use executor='sequential' or a model without buffers")
-        hooks = module.overridden_step_hooks
+        hooks = module.overridden_step_hooks + module.overridden_transfer_hooks
         if hooks:
             raise ConfigError("trainer.executor", "vmap", f"the module overrides {hooks}, which the vectorised "
                               "step does not call", "use executor='sequential'")
@@ -193,6 +195,7 @@ class VmapExecutor(Executor):
         # is at the same step (current_epoch = round, global_step from round * steps, is_last_batch)
         shim = module.trainer_shim
         module.set_client_shape(plan.round_idx, steps, steps)
+        shim.training = True
         named = dict(zip(self._names, params))
         samples = 0
         for s in range(steps):
@@ -208,10 +211,14 @@ class VmapExecutor(Executor):
             shim.global_step += 1
             size = sel.shape[1]
             for name, values in logs.items():
+                args, kwargs = self._step.log_options.get(name, ((), {}))
+                if len(args) < 10:  # batch_size is self.log's 11th argument after the value
+                    kwargs = {"batch_size": size, **kwargs}
                 for v in values:
-                    logged.log(name, v, batch_size=size)
+                    logged.log(name, v, *args, **kwargs)
             samples += size
         shim.is_last_batch = False
+        shim.training = False
         lr = float(opt.param_groups[0]["lr"])
         for j, k in enumerate(positions):
             torch.sub(flat[j], module.global_params, out=work.out(k))

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dpfl_lightning import ConfigError
 from dpfl_lightning.data import QuadraticClients, quadratic_problem
@@ -14,7 +15,7 @@ from dpfl_lightning.models import QuadraticModel
 from dpfl_lightning.plugins import DPSGD, FederatedCallback, GaussianNoise, PrivacyLedger, UpdateClipping
 from dpfl_lightning.plugins.scaffnew import ScaffNew, geometric_steps
 from dpfl_lightning.plugins.scaffold import SCAFFOLD
-from helpers import TinyClassifier, quiet_trainer, tiny_data
+from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
 
 N, D, K = 8, 5, 10  # rank 10 >= dim 5: every client's loss is strongly convex
 PROBLEM = quadratic_problem(N, D, K, 0)
@@ -162,3 +163,135 @@ def test_dp_scaffold_warm_start_sets_the_control_variates_without_moving_the_mod
     out = stop.fit(m2, tiny_data(num_clients=10, samples=16))  # stopped right after the warm start
     assert torch.equal(out.global_params, start)  # the same initial model (TinyClassifier seeds it)
     assert not torch.equal(start, t.module.global_params)
+
+
+def test_scaffold_corrects_the_first_local_step_by_c_minus_c_i(log_dir):
+    # y_1 = x - eta_l (g + c - c_i) (paper 001 Alg. 1 line 13): with one local step the update is the
+    # plain SGD update minus eta_l (c - c_i), for known c and c_i; with DP-SGD g is the noisy clipped
+    # gradient, keyed by (seed, round, client) like the batches, so the same in both runs.
+    d, lr, clients = sum(p.numel() for p in TinyClassifier().parameters()), 0.1, 4
+    g = torch.Generator().manual_seed(0)
+    c = 0.5 * torch.randn(d, generator=g, dtype=torch.float64)
+    c_i = {k: 0.5 * torch.randn(d, generator=g, dtype=torch.float64) for k in range(clients)}
+
+    class KnownControlVariates(FederatedCallback):
+        order = 0  # before SCAFFOLD's on_client_start
+
+        def on_client_start(self, *, client):
+            client.state["c_i"] = c_i[client.client].clone()
+
+    def run(dp, extra):
+        rec = Recorder(order=999)
+        plugins = ([DPSGD(noise_multiplier=1.0)] if dp else []) + extra + [rec]
+        t = quiet_trainer(log_dir, rounds=1, local_steps=1, seed=3, plugins=plugins, log_client_metrics=True)
+        t.fit(TinyClassifier(lr=lr), tiny_data(num_clients=clients))
+        return {k: u.double() for k, u in zip(rec.clients, rec.updates)}
+
+    for dp in (False, True):
+        scaffold = SCAFFOLD()
+        scaffold.load_state_dict({"c": c.clone()})
+        plain, corrected = run(dp, []), run(dp, [KnownControlVariates(), scaffold])
+        assert sorted(corrected) == list(range(clients))
+        for k in range(clients):
+            expected = plain[k] - lr * (c - c_i[k])
+            assert torch.allclose(corrected[k], expected, rtol=0, atol=1e-6), (dp, k)
+            assert float((corrected[k] - plain[k]).abs().max()) > 0.05  # the correction is far above the tolerance
+
+
+class _Poisonable(TinyClassifier):
+    poisoned = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.poisoned else loss
+
+
+@pytest.mark.parametrize("where", ["training", "warm_start", "after_scaffold"])
+def test_skipped_non_finite_client_keeps_its_control_variate(log_dir, where):
+    # the client's training diverges (its dc is not finite; also in the warm start's second round),
+    # or a plugin after SCAFFOLD makes its payload non-finite (its dc was finite and committed, then
+    # the client is skipped)
+    bad_client, bad_round = 2, 1
+    snapshots = []
+
+    class PoisonOnce(FederatedCallback):
+        order = 50 if where == "after_scaffold" else 0  # SCAFFOLD's on_client_end runs at 41
+
+        def _hit(self, client):
+            return (client.client, client.round_idx) == (bad_client, bad_round)
+
+        def on_client_start(self, *, client):
+            client.model.poisoned = where != "after_scaffold" and self._hit(client)
+
+        def on_client_end(self, *, client):
+            if where == "after_scaffold" and self._hit(client) and not client.replay:
+                client.payload["update"][0] = float("inf")
+
+    class Snapshot(FederatedCallback):
+        order = 999
+
+        def on_round_end(self, *, server, metrics):
+            snapshots.append({c: server.client_state(c)["c_i"].clone() for c in server.my_clients})
+
+    scaffold = SCAFFOLD(warm_start=True, warm_start_rounds=2) if where == "warm_start" else SCAFFOLD()
+    t = quiet_trainer(log_dir, rounds=4, on_nonfinite="skip", plugins=[PoisonOnce(), scaffold, Snapshot()])
+    module = t.fit(_Poisonable(), tiny_data(num_clients=4))
+    assert [h["skipped_clients"] for h in t.history] == [0.0, 1.0, 0.0, 0.0]
+    assert torch.equal(snapshots[bad_round][bad_client], snapshots[bad_round - 1][bad_client])  # unchanged
+    assert not torch.equal(snapshots[bad_round + 1][bad_client], snapshots[bad_round][bad_client])  # trains again
+    c_is = [t.client_states[k]["c_i"] for k in range(4)]
+    assert all(torch.isfinite(c).all() for c in c_is)
+    assert torch.isfinite(scaffold.c).all() and torch.isfinite(module.global_params).all()
+    assert torch.allclose(scaffold.c, sum(c_is) / 4, rtol=0, atol=1e-9 * float(scaffold.c.abs().max()))
+    assert all(math.isfinite(h["my_train_loss"]) for h in t.history[bad_round + 1:])
+
+
+class _StepDecay(TinyClassifier):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "interval": "step"}}
+
+
+@pytest.mark.parametrize("model,settings,lr_sum", [
+    # 4 batches of a 16-record client, a step every 2nd batch: K = 2 optimizer steps of lr 0.1
+    (TinyClassifier, dict(local_steps=4, accumulate_grad_batches=2), 2 * 0.1),
+    # 3 steps with the lr halved after each: K eta_l = 0.1 + 0.05 + 0.025
+    (_StepDecay, dict(local_steps=3), 0.1 + 0.05 + 0.025),
+])
+def test_scaffold_counts_optimizer_steps_and_their_learning_rates(log_dir, model, settings, lr_sum):
+    # round 1 from c = c_i = 0: c_i+ = (x - y_K) / (K eta_l) = -update / (sum of the steps' lrs)
+    rec = Recorder(order=999)
+    t = quiet_trainer(log_dir, rounds=1, plugins=[SCAFFOLD(), rec], **settings)
+    t.fit(model(lr=0.1), tiny_data(num_clients=3, samples=16))
+    for k, update in zip(rec.clients, rec.updates):
+        expected = -update.double() / lr_sum
+        assert torch.allclose(t.client_states[k]["c_i"], expected, rtol=1e-6, atol=1e-9)
+
+
+def test_scaffold_refuses_what_breaks_its_step_count(log_dir):
+    class TwoGroups(TinyClassifier):
+        def configure_optimizers(self):
+            return torch.optim.SGD([{"params": self.net[0].parameters(), "lr": 0.1},
+                                    {"params": self.net[2].parameters(), "lr": 0.01}])
+
+    class TwoOptimizers(TinyClassifier):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opts = self.optimizers()
+            for o in opts:
+                o.zero_grad()
+            self.manual_backward(F.cross_entropy(self(batch[0]), batch[1]))
+            for o in opts:
+                o.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+    with pytest.raises(ConfigError, match="same learning rate"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[SCAFFOLD()]).fit(TwoGroups(), tiny_data())
+    with pytest.raises(ConfigError, match="one torch.optim.SGD"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[SCAFFOLD()]).fit(TwoOptimizers(), tiny_data())

@@ -6,6 +6,9 @@ Round ``t`` with server model ``x`` and server control variate ``c``; client ``i
 - every local step is ``y <- y - eta_l (g + c - c_i)`` (Alg. 1 line 13, eq. (1)); with DP-SGD the
   correction is added to the *noisy* clipped gradient ``H~`` that Opacus produced;
 - after ``K`` steps, ``c_i+ = c_i - c + (x - y_K) / (K eta_l)`` (line 14, option II of SCAFFOLD),
+  with ``K`` the optimizer steps the client took (not its batches: with
+  ``accumulate_grad_batches=k`` a step follows every ``k``-th batch) and ``K eta_l`` the sum of the
+  learning rates of those steps (a step-interval lr scheduler or the client lr decay changes them),
   and the client sends ``(dy, dc) = (y_K - x, c_i+ - c_i)`` -- two named segments of the one
   all-reduce (``update`` and ``dc``);
 - the server steps ``x <- x + eta_g mean(dy)`` (the server optimizer) and
@@ -28,8 +31,12 @@ set ``c_i^0`` to their mean, sent as ``dc``; the server sets ``c`` to the mean o
 These rounds are rounds of the run: they count in ``trainer.rounds`` and the privacy ledger accounts
 them like every other round (``K`` DP-SGD steps per participation).
 
-Local training must be plain SGD (no momentum, no weight decay): the control-variate update reads
-the local learning rate as the step size of every step.
+Local training must be plain SGD (no momentum, no weight decay, one learning rate for every
+parameter group) with one optimizer: the control-variate update reads the learning rate of every
+step as its step size.
+
+A client skipped because its update is not finite (``on_nonfinite="skip"``) sends ``dc = 0`` and
+keeps the ``c_i`` it had before the round.
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ def check_plain_sgd(owner: str, optimizer: torch.optim.Optimizer) -> None:
         raise ConfigError(owner, type(inner).__name__, "the control-variate update assumes plain SGD local steps "
                           "(no momentum, no weight decay)", "return torch.optim.SGD(params, lr=...) from "
                           "configure_optimizers")
+    lrs = sorted({float(g["lr"]) for g in inner.param_groups})
+    if len(lrs) > 1:
+        raise ConfigError(owner, f"param group lrs {lrs}", "the control-variate update divides the whole update by "
+                          "one step size", "give every parameter group the same learning rate")
 
 
 class FlatGrads:
@@ -123,20 +134,36 @@ class SCAFFOLD(FederatedCallback):
         state = client.state
         if "c_i" not in state:
             state["c_i"] = torch.zeros_like(self.c)
-        client.scratch["scaffold_correction"] = (self.c - state["c_i"]).to(torch.float32)
-        client.scratch["scaffold_grads"] = torch.zeros_like(self.c) if self._warming(client.round_idx) else None
+        scratch = client.scratch
+        scratch["scaffold_correction"] = (self.c - state["c_i"]).to(torch.float32)
+        scratch["scaffold_grads"] = torch.zeros_like(self.c) if self._warming(client.round_idx) else None
+        scratch["scaffold_steps"] = 0  # K: the optimizer steps taken
+        scratch["scaffold_lr_sum"] = 0.0  # K eta_l: the sum of their learning rates
 
     def wrap_optimizer(self, *, client, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         check_plain_sgd("SCAFFOLD", optimizer)
         scratch = client.scratch
+        if scratch.get("scaffold_wrapped"):
+            raise ConfigError("SCAFFOLD", "several local optimizers", "the control-variate update counts the steps "
+                              "and step sizes of one optimizer over all parameters",
+                              "return one torch.optim.SGD over all parameters from configure_optimizers")
+        scratch["scaffold_wrapped"] = True
         inner = getattr(optimizer, "original_optimizer", None)
         if inner is not None:  # DP-SGD: the noisy clipped gradient is in .grad once its step calls this one
             if scratch["scaffold_grads"] is None:
                 inner.register_step_pre_hook(lambda opt, args, kwargs: self._grads.add_(scratch["scaffold_correction"]))
         scratch["scaffold_dp"] = inner is not None
-        if scratch["scaffold_grads"] is not None:  # warm start: the mean of the (noisy) gradients at x0
-            (inner or optimizer).register_step_post_hook(
-                lambda opt, args, kwargs: self._grads.accumulate_into(scratch["scaffold_grads"]))
+        warm = scratch["scaffold_grads"]
+
+        def after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            # runs only for a step that happened (not for a batch that only accumulated, nor for a
+            # step the loss scaler skipped), with the learning rate that step used
+            scratch["scaffold_steps"] += 1
+            scratch["scaffold_lr_sum"] += float(opt.param_groups[0]["lr"])
+            if warm is not None:  # warm start: the mean of the (noisy) gradients at x0
+                self._grads.accumulate_into(warm)
+
+        (inner or optimizer).register_step_post_hook(after_step)
         return optimizer
 
     def on_before_optimizer_step(self, *, client, optimizer: torch.optim.Optimizer) -> None:
@@ -145,18 +172,27 @@ class SCAFFOLD(FederatedCallback):
             self._grads.add_(scratch["scaffold_correction"])  # g + c - c_i
 
     def on_client_end(self, *, client) -> None:
-        if client.replay:  # a non-finite client: its zero update carries no control-variate change
-            client.payload["dc"].zero_()
+        scratch, c_i, dc = client.scratch, client.state["c_i"], client.payload["dc"]
+        if client.replay:  # a non-finite client is skipped: no control-variate change, c_i as before the round
+            dc.zero_()
+            before = scratch.pop("scaffold_c_i_before", None)
+            if before is not None:
+                c_i.copy_(before)
             return
-        c_i = client.state["c_i"]
+        steps, lr_sum = scratch["scaffold_steps"], scratch["scaffold_lr_sum"]
         if self._warming(client.round_idx):
-            new = client.scratch["scaffold_grads"] / max(client.steps, 1)  # c_i^0: the mean gradient at x0
-        else:
+            new = scratch["scaffold_grads"] / max(steps, 1)  # c_i^0: the mean gradient at x0
+        elif lr_sum > 0:
             # c_i+ = c_i - c + (x - y_K) / (K eta_l), with y_K - x the update
-            new = c_i - self.c - client.payload["update"].double() / (max(client.steps, 1) * client.lr)
-        dc = client.payload["dc"]
+            new = c_i - self.c - client.payload["update"].double() / lr_sum
+        else:  # no step moved the model: nothing to learn about the client's gradients
+            new = c_i
         dc.copy_(new - c_i)
-        c_i.add_(dc.double())  # what the server adds up, so that c stays the mean of the c_i
+        if bool(torch.isfinite(dc).all()):
+            # what the server adds up, so that c stays the mean of the c_i; undone on a replay (a
+            # segment found non-finite after this plugin)
+            scratch["scaffold_c_i_before"] = c_i.clone()
+            c_i.add_(dc.double())
 
     def on_server_update(self, *, server) -> None:
         # after every on_aggregate (noise on dc, if any): c + l * mean dc = c + (1/M) sum dc

@@ -74,6 +74,8 @@ class LoggedMetrics:
         reduces across ranks itself)."""
         if logger is False:
             return
+        if on_step and on_epoch:  # Lightning forks the name: the epoch (here: round) value is also "<name>_epoch"
+            self.log(f"{name}_epoch", value, prog_bar, logger, False, True, reduce_fx, batch_size=batch_size)
         if prog_bar:
             self.prog_bar.add(name)
         if type(value) is torch.Tensor and reduce_fx == "mean" and name in self._values:  # the per-step fast path

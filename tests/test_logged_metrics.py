@@ -46,3 +46,26 @@ def test_max_and_min_through_the_trainer(log_dir):
     trainer.fit(Extremes(), tiny_data())
     assert trainer.history[0]["loss_max"] == pytest.approx(max(seen))
     assert trainer.history[0]["loss_min"] == pytest.approx(min(seen))
+
+
+def test_on_step_and_on_epoch_fork_the_name_as_lightning_does(log_dir):
+    # lightning.Trainer logs a value logged with on_step=True and on_epoch=True as "<name>_epoch" (and
+    # "<name>_step"); a ModelCheckpoint or EarlyStopping may monitor "<name>_epoch".
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Both(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("both", loss, on_step=True, on_epoch=True)
+            return loss
+
+    ref = Both()
+    data = tiny_data()
+    t = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    t.fit(ref, DataLoader(TensorDataset(*data.in_memory_tensors), batch_size=5))
+    assert "both_epoch" in t.callback_metrics
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=4, batch_size=5)
+    trainer.fit(Both(), data)
+    assert trainer.history[0]["both_epoch"] == pytest.approx(trainer.history[0]["both"])

@@ -254,6 +254,13 @@ def build_run(trainer: FederatedTrainer, module: Any, data: Any) -> RunSetup:
     else:
         device = torch.device("cpu")
 
+    # Lightning's prepare_data (downloads): on each node's local rank 0 first, the other ranks wait.
+    if comm.local_rank == 0:
+        data.prepare_data()
+        if callable(getattr(module.inner, "prepare_data", None)):
+            module.inner.prepare_data()
+    comm.barrier()
+    data.prepare_data(call=False)
     ctx = prepare_privacy(trainer, data, module, device)
     M = data.num_clients
     require(comm.size <= M, "mpiexec -n", comm.size, f"more ranks than clients (data.num_clients={M})",

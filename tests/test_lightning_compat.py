@@ -556,6 +556,10 @@ class DictDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.collate_calls = 0
+        self.prepared = 0
+
+    def prepare_data(self):
+        self.prepared += 1
 
     def setup(self, stage):
         self.train, self.val, self.test = RecordsWithNoise(96, 0), RecordsWithNoise(40, 1), RecordsWithNoise(40, 2, 3.0)
@@ -586,6 +590,10 @@ class DictModel(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Linear(10, 2)
+        self.prepared = 0
+
+    def prepare_data(self):
+        self.prepared += 1
 
     def training_step(self, batch, batch_idx):
         loss = F.cross_entropy(self.net(batch["inputs"]), batch["targets"])
@@ -612,8 +620,10 @@ def test_datamodule_collate_dict_batches_and_validation_set(log_dir, plugins):
     dm = DictDataModule()
     data = FederatedDataModule.from_datamodule(dm, num_clients=4)
     trainer = quiet_trainer(log_dir, rounds=4, batch_size=4, plugins=plugins)
-    trainer.fit(DictModel(), data)
+    model = DictModel()
+    trainer.fit(model, data)
     last = trainer.history[-1]
+    assert dm.prepared == 1 and model.prepared == 1  # Lightning's prepare_data, once each
     assert dm.collate_calls > 0  # the DataModule's collate_fn built the clients' batches
     assert dm.transfers > 0
     assert last["val_loss"] != pytest.approx(last["test_loss"])  # val_dataloader, not the test set

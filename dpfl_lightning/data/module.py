@@ -181,7 +181,7 @@ class FederatedDataModule:
         from dpfl_lightning.module import is_overridden
 
         dm = self.datamodule
-        dm.prepare_data()
+        self.prepare_data()  # once; in a run, only local rank 0 calls it (see prepare_data)
         dm.setup("fit")
         train_loader = _single_loader(dm.train_dataloader(), "train_dataloader")
         val_loader = test_loader = None
@@ -199,6 +199,17 @@ class FederatedDataModule:
             self.train_loader_info["sampler"] = type(custom).__name__
         test = (test_loader or val_loader).dataset if (test_loader or val_loader) is not None else None
         return train_loader.dataset, test, None
+
+    def prepare_data(self, call: bool = True) -> None:
+        """The LightningDataModule's ``prepare_data`` (downloads, once per machine), at most once.
+        A run calls it on each node's local rank 0 and passes ``call=False`` on the other ranks after
+        a barrier, as ``lightning.Trainer`` does (``prepare_data_per_node``)."""
+        if getattr(self, "_prepared", False) or self.datamodule is None:
+            self._prepared = True
+            return
+        if call:
+            self.datamodule.prepare_data()
+        self._prepared = True
 
     def setup(self) -> None:
         """Load and split the data (idempotent). Every rank computes the same split."""

@@ -326,6 +326,7 @@ def _tiny_lstm(vocab=12):
     torch.manual_seed(0)
     model = LightningLSTM(vocab_size=vocab)
     model.model = SimpleLSTM(vocab_size=vocab, ninp=16, nhid=16, nlayers=1, dropout=0.0)
+    model.prepare_data = lambda: None  # it downloads WikiText-2 (as lightning.Trainer would): the test brings data
     return model
 
 
@@ -826,6 +827,7 @@ def test_lightning_transformer_demo(log_dir, plugins):
     torch.manual_seed(0)
     vocab = 16
     model = LightningTransformer(vocab_size=vocab)
+    model.prepare_data = lambda: None  # it downloads WikiText-2 (as lightning.Trainer would): the test brings data
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (24, 5), generator=g)
     data = FederatedDataModule.from_tensors(x, (x + 1) % vocab, num_clients=3)

@@ -26,19 +26,11 @@ import math
 import torch
 
 from dpfl_lightning.comm import Communicator
-from dpfl_lightning.comm.exact_sum import ExactSum
+from dpfl_lightning.comm.exact_sum import ExactSum, grid_exponent
 from dpfl_lightning.errors import NonFiniteUpdateError
 from dpfl_lightning.payload import PayloadLayout
 
 HEADROOM_BITS = 8
-
-
-def grid_exponent(bound: float, n_rows: int) -> int:
-    """``L`` of the grid ``2^L`` for values up to ``bound`` summed over ``n_rows`` rows."""
-    _, e = math.frexp(max(bound, 2.0**-900))  # bound < 2**e (a zero bound: a tiny grid whose scale fits a float)
-    return e + math.ceil(math.log2(max(n_rows, 1))) - 51 + HEADROOM_BITS
-
-
 STAGE_BYTES = 16 << 20  # rows staged before a fold: a few clients at once, at most 16 MiB
 FOLD_COLUMNS = 1 << 20  # columns rounded per pass: float64 scratch of at most 8 MiB per staged row
 
@@ -77,7 +69,7 @@ class PayloadAggregator:
             if not self.exact:
                 self.streamed.append(seg.name)
             elif bound is not None and math.isfinite(bound):
-                self._scales.append((a, b, grid_exponent(bound, cohort_size)))
+                self._scales.append((a, b, grid_exponent(bound, cohort_size, HEADROOM_BITS)))
                 self.streamed.append(seg.name)
             else:
                 self._kept_rows[seg.name] = []

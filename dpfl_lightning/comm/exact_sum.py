@@ -29,12 +29,12 @@ import torch
 from dpfl_lightning.comm.base import Communicator
 
 
-def grid_exponent(max_abs: float, n_rows: int) -> int:
-    """``L`` of the module docstring, for values up to ``max_abs`` summed over ``n_rows`` rows."""
-    if max_abs == 0.0:
-        return 0
-    _, e = math.frexp(max_abs)  # max_abs < 2**e
-    return e + math.ceil(math.log2(max(n_rows, 1))) - 51
+def grid_exponent(max_abs: float, n_rows: int, headroom_bits: int = 0) -> int:
+    """``L`` of the module docstring, for values up to ``max_abs`` summed over ``n_rows`` rows, with
+    ``headroom_bits`` more (values may then exceed ``max_abs`` ``2^headroom_bits``-fold). A zero
+    bound gets a tiny grid whose scale ``2^-L`` still fits a float64."""
+    _, e = math.frexp(max(max_abs, 2.0**-900))  # max_abs < 2**e
+    return e + math.ceil(math.log2(max(n_rows, 1))) - 51 + headroom_bits
 
 
 class ExactSum:

@@ -58,11 +58,12 @@ def fit_w(workload, rounds, **kw):
     from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 
     data = kw.pop("data", None) or ro.make_data(workload)
+    ckpt_path = kw.pop("ckpt_path", None)
     plugins = kw.pop("plugins", None) or [UpdateClipping(ro.CLIP), GaussianNoise(noise_multiplier=ro.Z)]
-    trainer = FederatedTrainer(rounds=rounds, clients_per_round=ro.M_ROUND, local_epochs=1, batch_size=ro.BATCH,
+    trainer = FederatedTrainer(rounds=rounds, clients_per_round=kw.pop("clients_per_round", ro.M_ROUND), local_epochs=1, batch_size=ro.BATCH,
                                plugins=plugins, eval_every=10**9, log_dir=tempfile.mkdtemp(), enable_progress_bar=False,
                                enable_summary=False, **kw)
-    module = trainer.fit(ro.Classifier(workload), data)
+    module = trainer.fit(ro.Classifier(workload), data, ckpt_path=ckpt_path)
     return trainer, module
 
 
@@ -180,6 +181,25 @@ def secure():
             "seconds_per_round": statistics.median(trainer.round_times)}
 
 
+@check("control_variates_resume_on_cuda")
+def control_variates_resume():
+    """SCAFFOLD and ScaffNew keep per-client state; a run resumed on the GPU from a checkpoint (which
+    loads on the CPU) must end where the uninterrupted run ends."""
+    from dpfl_lightning.data import SyntheticLogistic
+    from dpfl_lightning.plugins import SCAFFOLD, ScaffNew
+
+    out = {}
+    for name, make in (("SCAFFOLD", lambda: [SCAFFOLD()]), ("ScaffNew", lambda: [ScaffNew(p=0.5)])):
+        kw = dict(accelerator="cuda", plugins=make(), seed=5, deterministic=True, clients_per_round=None,
+                  data=SyntheticLogistic(num_clients=40, samples_per_client=50, test_samples_per_client=0, dim=60))
+        full, ref = fit_w("W1", 4, checkpoint_every=2, **kw)
+        ckpt = os.path.join(full.checkpoint_dir, "round-000002.ckpt")
+        resumed, _ = fit_w("W1", 4, ckpt_path=ckpt, **{**kw, "plugins": make()})
+        out[name] = {"same_bits": _hash(resumed.module.global_params) == _hash(ref.global_params),
+                     "state_device": str(next(iter(next(iter(resumed.client_states.values())).values())).device)}
+    return out
+
+
 @check("fold_100m_on_gpu")
 def fold_100m():
     from dpfl_lightning.aggregation import PayloadAggregator
@@ -238,6 +258,7 @@ def main() -> None:
     ap.add_argument("--out", type=str, default=None)
     ap.add_argument("--worker", type=str, default=None)
     ap.add_argument("--communicator", type=str, default="mpi")
+    ap.add_argument("--only", type=str, default=None, help="comma-separated checks to run (default: all)")
     args = ap.parse_args()
     if args.worker == "bits":
         return worker_bits(args.communicator)
@@ -247,13 +268,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         print(json.dumps(RESULTS))
         return
-    two_ranks()
-    nccl()
-    dpsgd()
-    bf16()
-    secure()
-    fold_100m()
-    w2(args.rounds)
+    checks = {"two_ranks": two_ranks, "nccl": nccl, "dpsgd": dpsgd, "bf16": bf16, "secure": secure,
+              "control_variates_resume": control_variates_resume, "fold_100m": fold_100m,
+              "w2": lambda: w2(args.rounds)}
+    for name in (args.only.split(",") if args.only else checks):
+        checks[name]()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)

@@ -17,6 +17,15 @@ from dpfl_lightning.plugins.scaffnew import ScaffNew as ScaffNewPlugin
 from dpfl_lightning.plugins.scaffold import SCAFFOLD as SCAFFOLDPlugin
 
 
+_FEDEXP_UNIFORM = ("the adaptive global step size (paper 002 eqs. (2), (6)-(8)) is defined for the plain mean of "
+                   "the updates")
+
+
+def _require_uniform_weighting(trainer, preset: str, why: str) -> None:
+    require(trainer.weighting == "uniform", "trainer.weighting", trainer.weighting, f"{preset}: {why}",
+            "use weighting='uniform'")
+
+
 class Algorithm:
     """A named set of plugins. ``normalize_update_by_lr`` is passed on to the trainer."""
 
@@ -195,7 +204,8 @@ class DPSCAFFOLD(SCAFFOLD):
 
 class ScaffNew(Algorithm):
     """ScaffNew (Mishchenko et al. 2022): control variates ``h_i`` and a shared coin with
-    probability ``p`` that ends a round's local steps (paper 000 Alg. 2 with sigma = 0, no clipping)."""
+    probability ``p`` that ends a round's local steps (paper 000 Alg. 2 with sigma = 0, no clipping).
+    Every client counts once in the mean (``trainer.weighting="uniform"``): the ``h_i`` sum to zero."""
 
     name = "scaffnew"
 
@@ -204,6 +214,10 @@ class ScaffNew(Algorithm):
 
     def plugins(self) -> list[FederatedCallback]:
         return [ScaffNewPlugin(self.p), ServerOptimizer("sgd", lr=1.0)]
+
+    def validate(self, trainer) -> None:
+        _require_uniform_weighting(trainer, type(self).__name__,
+                                   "the control variates h_i sum to zero only under the plain mean of the clients' D_i")
 
 
 class DPScaffNew(ScaffNew):
@@ -225,7 +239,8 @@ class DPScaffNew(ScaffNew):
 class FedEXP(Algorithm):
     """FedEXP (Jhunjhunwala et al. 2023; paper 002 eq. (2)): FedAvg with the adaptive global step
     size ``max(1, mean ||D_i||^2 / ||D_bar||^2)``; ``half=True`` and ``eps`` give the original
-    paper's ``1/2`` and denominator constant. No DP."""
+    paper's ``1/2`` and denominator constant. No DP. The means are uniform over the cohort
+    (``trainer.weighting="uniform"``; the DP variants below too)."""
 
     name = "fedexp"
 
@@ -236,6 +251,9 @@ class FedEXP(Algorithm):
 
     def plugins(self) -> list[FederatedCallback]:
         return [FedEXPPlugin("plain", self.half, self.eps, average_last=self.average_last), ServerOptimizer("sgd", lr=1.0)]
+
+    def validate(self, trainer) -> None:
+        _require_uniform_weighting(trainer, type(self).__name__, _FEDEXP_UNIFORM)
 
 
 class LDPFedEXP(Algorithm):
@@ -263,6 +281,9 @@ class LDPFedEXP(Algorithm):
         return [UpdateClipping(self.clip), local,
                 FedEXPPlugin(f"ldp_{self.randomizer}", average_last=self.average_last), ServerOptimizer("sgd", lr=1.0)]
 
+    def validate(self, trainer) -> None:
+        _require_uniform_weighting(trainer, type(self).__name__, _FEDEXP_UNIFORM)
+
 
 class CDPFedEXP(Algorithm):
     """CDP-FedEXP (paper 002, Alg. 2): clipped updates, central noise ``N(0, (z C)^2 I)`` on their sum,
@@ -282,6 +303,9 @@ class CDPFedEXP(Algorithm):
         return [UpdateClipping(self.clip), GaussianNoise(noise_multiplier=self.noise_multiplier, placement="central"),
                 FedEXPPlugin("cdp", sigma_xi=self.sigma_xi, average_last=self.average_last),
                 ServerOptimizer("sgd", lr=1.0)]
+
+    def validate(self, trainer) -> None:
+        _require_uniform_weighting(trainer, type(self).__name__, _FEDEXP_UNIFORM)
 
 
 class AdaptiveClipping(Algorithm):

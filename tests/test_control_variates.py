@@ -289,9 +289,29 @@ def test_scaffold_refuses_what_breaks_its_step_count(log_dir):
                 o.step()
 
         def configure_optimizers(self):
-            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                    torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
 
     with pytest.raises(ConfigError, match="same learning rate"):
         quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[SCAFFOLD()]).fit(TwoGroups(), tiny_data())
     with pytest.raises(ConfigError, match="one torch.optim.SGD"):
         quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[SCAFFOLD()]).fit(TwoOptimizers(), tiny_data())
+
+
+def test_scaffnew_refuses_sample_weighting(log_dir):
+    # sum_i h_i = 0 needs the plain mean of the D_i: the preset refuses at set-up, the plugin alone
+    # in the first round's aggregation, before the model or any h_i moves
+    from dpfl_lightning.algorithms import DPScaffNew
+    from dpfl_lightning.algorithms import ScaffNew as ScaffNewPreset
+
+    for algorithm in (ScaffNewPreset(p=0.5), DPScaffNew(p=0.5)):
+        trainer = quiet_trainer(log_dir, rounds=2, weighting="samples", algorithm=algorithm)
+        with pytest.raises(ConfigError, match=r"trainer.weighting=.*ScaffNew.*h_i sum to zero.*weighting='uniform'"):
+            trainer.fit(TinyClassifier(), tiny_data(num_clients=4))
+        assert trainer.history == []
+    model = TinyClassifier()
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(log_dir, rounds=2, weighting="samples", plugins=[ScaffNew(p=0.5)])
+    with pytest.raises(ConfigError, match=r"trainer.weighting=.*ScaffNew.*weighting='uniform'"):
+        trainer.fit(model, tiny_data(num_clients=4))
+    assert trainer.history == [] and all(torch.equal(a, b) for a, b in zip(start, model.parameters()))

@@ -187,3 +187,34 @@ def test_linear_regression_test_records_are_fresh_draws():
     (x, _), (xt, yt) = train.tensors, test.tensors
     assert len(xt) == 60 and torch.allclose(xt @ data.w_star, yt)
     assert torch.cdist(xt, x).min() > 1e-3
+
+
+def test_fedexp_refuses_sample_weighting(log_dir):
+    # the step size is defined for the uniform mean c_bar: the presets refuse at set-up, the plugin
+    # alone in the first round's aggregation, before the model moves
+    from dpfl_lightning.errors import ConfigError
+
+    for algorithm in (FedEXP(), LDPFedEXP(), CDPFedEXP()):
+        trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4, weighting="samples", algorithm=algorithm)
+        with pytest.raises(ConfigError, match=r"trainer.weighting=.*FedEXP.*plain mean.*weighting='uniform'"):
+            trainer.fit(TinyClassifier(), tiny_data())
+        assert trainer.history == []
+    model = TinyClassifier()
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4, weighting="samples", plugins=[FedEXPPlugin("plain")])
+    with pytest.raises(ConfigError, match=r"trainer.weighting=.*FedEXP.*weighting='uniform'"):
+        trainer.fit(model, tiny_data())
+    assert trainer.history == [] and all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+
+
+def test_privunit_variant_without_the_randomizer_is_refused_before_training(log_dir):
+    from dpfl_lightning.errors import ConfigError
+    from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+
+    for others in ([UpdateClipping(1.0)], [UpdateClipping(1.0), GaussianNoise(noise_multiplier=0.7, placement="local")]):
+        model = TinyClassifier()
+        start = [p.detach().clone() for p in model.parameters()]
+        trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4, plugins=[*others, FedEXPPlugin("ldp_privunit")])
+        with pytest.raises(ConfigError, match=r"FedEXP.variant='?ldp_privunit.*PrivUnitRandomizer"):
+            trainer.fit(model, tiny_data())
+        assert trainer.history == [] and all(torch.equal(a, b) for a, b in zip(start, model.parameters()))

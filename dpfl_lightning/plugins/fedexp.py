@@ -18,6 +18,11 @@ The server steps ``w <- w + eta_g c_bar`` with ``c_bar`` the mean (noised) updat
   ``sigma / sqrt(M)`` the std of the update noise on the mean, Theorem 4.6), a declared release
   the ledger composes with the update noise (Prop. 4.2).
 
+Every variant divides by the plain mean over the cohort (``trainer.weighting="uniform"``): the
+step-size formulas are for the uniform average ``c_bar`` of the updates, so sample weighting is
+refused. ``ldp_privunit`` needs :class:`~dpfl_lightning.plugins.PrivUnitRandomizer` in the run (it
+sends ``norm_sq_estimate``); ``ldp_gaussian`` needs local Gaussian noise on the update.
+
 The presets :class:`~dpfl_lightning.algorithms.FedEXP`, ``LDPFedEXP`` and ``CDPFedEXP`` pick the
 variant that matches their noise. ``eta_g`` is logged every round. With
 ``average_last=2`` evaluation sees the average of the last two global models (App. G, after
@@ -34,6 +39,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_SERVER_STEP, FederatedCallback
+from dpfl_lightning.plugins.scaffnew import check_uniform_weighting
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.releases import MetricRelease
 
@@ -114,6 +120,12 @@ class FedEXP(FederatedCallback):
                 raise ConfigError("FedEXP.variant", "ldp_gaussian", "no local Gaussian noise covers the update",
                                   "add GaussianNoise(..., placement='local') or use another variant")
             self._sigma = m.noise_multiplier * m.sensitivity  # each client's noise std
+        if self._mode == "ldp_privunit" and not any(m.source == "PrivUnitRandomizer" and UPDATE in m.covers
+                                                    for m in ctx.mechanisms):
+            raise ConfigError("FedEXP.variant", "ldp_privunit", "no PrivUnitRandomizer sends the clients' norm "
+                              "estimates (norm_sq_estimate) that the step size needs",
+                              "add PrivUnitRandomizer(eps0, eps1, eps2) with UpdateClipping(C) before FedEXP, use "
+                              "the preset LDPFedEXP(randomizer='privunit'), or use another variant")
         if self._mode == "cdp":
             self._xi_std = self._xi_std_on_sum(ctx)
 
@@ -134,6 +146,8 @@ class FedEXP(FederatedCallback):
             client.payload["norm_sq"].fill_(float(torch.linalg.vector_norm(u, dtype=torch.float64)) ** 2)
 
     def on_aggregate(self, *, server) -> None:
+        check_uniform_weighting("FedEXP", "the global step size is defined for the plain mean of the updates",
+                                server.aggregate)
         if self._mode == "cdp":  # xi on the sum of squared norms: a central Gaussian release
             stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, XI_NOISE)
             stream.add_normal_(server.aggregate["norm_sq"], self._xi_std)

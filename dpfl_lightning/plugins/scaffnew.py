@@ -13,10 +13,12 @@ keyed by (seed, round) so that every client and every rank draws the same. On co
 - ``h_i <- h_i + (p / eta)(mean D - D_i)`` with the *noisy* ``D_i`` (line 10), so that the ``h_i``
   keep summing to zero (up to float64 rounding: each update adds ``(p/eta)(N mean D - sum D_i)``).
 
-Every client takes part in every round (Alg. 2 is full participation). Privacy: what leaves a
-client is ``D_i``, clipped and noised by the configured plugins (local DP towards the server);
-``h_i`` is a function of released ``D``s (post-processing) and costs nothing. The ledger accounts
-one release per communication, the rounds that happened. Local training must be plain SGD.
+Every client takes part in every round (Alg. 2 is full participation), and every client counts once
+in the mean (``trainer.weighting="uniform"``): with weights the ``h_i`` would stop summing to zero.
+Privacy: what leaves a client is ``D_i``, clipped and noised by the configured plugins (local DP
+towards the server); ``h_i`` is a function of released ``D``s (post-processing) and costs nothing.
+The ledger accounts one release per communication, the rounds that happened. Local training must be
+plain SGD.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 import torch
 
 from dpfl_lightning import rng
-from dpfl_lightning.errors import require
+from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.plugins.scaffold import FlatGrads, check_plain_sgd
 from dpfl_lightning.releases import MetricRelease
@@ -36,6 +38,15 @@ def geometric_steps(u: float, p: float) -> int:
     if p >= 1.0:
         return 1
     return 1 + int(math.floor(math.log1p(-u) / math.log1p(-p)))
+
+
+def check_uniform_weighting(owner: str, why: str, aggregate) -> None:
+    """Refuse ``trainer.weighting="samples"`` (the aggregate then carries the clients' ``weight``).
+    The presets refuse it at set-up; the plugin itself first sees the weighting here, in the first
+    round's ``on_aggregate``, before anything of the round is applied."""
+    if "weight" in aggregate:
+        raise ConfigError("trainer.weighting", "samples", f"{owner}: {why} (every client weighted equally)",
+                          "use weighting='uniform'")
 
 
 class ScaffNew(FederatedCallback):
@@ -99,6 +110,10 @@ class ScaffNew(FederatedCallback):
         # D_i after clipping and noise, and the step size of this round, for the update of h_i
         client.state["scaffnew_D"] = client.payload["update"].double().clone()
         client.state["scaffnew_eta"] = client.lr
+
+    def on_aggregate(self, *, server) -> None:
+        check_uniform_weighting("ScaffNew", "the h_i sum to zero only if the server takes the plain mean of D_i",
+                                server.aggregate)
 
     def on_server_update(self, *, server) -> None:
         mean = server.update  # mean D (the server optimizer applies it next)

@@ -179,8 +179,15 @@ class SCAFFOLD(Algorithm):
 
 class DPSCAFFOLD(SCAFFOLD):
     """DP-SCAFFOLD(-warm) (paper 001 Alg. 1): DP-SGD clients (per-record clipping ``max_grad_norm``,
-    noise multiplier ``sigma_g`` or a ``target_epsilon``) with SCAFFOLD's control variates, which
-    cost no extra privacy (Claim 4.1). ``warm_start=True`` is DP-SCAFFOLD-warm (Sec. 3.3)."""
+    a ``noise_multiplier`` or a ``target_epsilon``) with SCAFFOLD's control variates, which cost no
+    extra privacy (Claim 4.1). ``warm_start=True`` is DP-SCAFFOLD-warm (Sec. 3.3).
+
+    ``noise_multiplier`` is DP-SGD's ``z`` (noise ``N(0, (z C)^2)`` on the sum of the clipped
+    gradients, divided by the batch size), not the paper's ``sigma_g``: Alg. 1 adds
+    ``(2C / sR) N(0, sigma_g^2)`` to the mean clipped gradient of a batch of ``sR`` records, i.e.
+    ``sigma_g`` times the replace-one sensitivity ``2C / sR``, so ``z = 2 sigma_g`` (the ledger
+    accounts a fixed-size batch under replace-one with multiplier ``z / 2 = sigma_g``). The paper's
+    synthetic experiments (``sigma_g = 60``) are ``noise_multiplier=120``."""
 
     name = "dp_scaffold"
 

@@ -7,10 +7,13 @@ code at single points.
 """
 
 import math
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
 import pytest
+import torch
+import yaml
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant
 
@@ -191,3 +194,47 @@ def test_bad_modern_options():
         modern_epsilon(10, 5, 100, **RUN, method="pld")
     with pytest.raises(ConfigError, match="noise_view"):
         modern_max_rounds(EPS, 10, 5, **RUN, noise_view="server")
+
+
+def test_dp_scaffold_noise_multiplier_is_twice_sigma_g(log_dir):
+    """Alg. 1 adds (2C / sR) N(0, sigma_g^2) to the mean clipped gradient of a batch of sR records;
+    DP-SGD's z adds N(0, (z C)^2) to the clipped sum, then divides by sR: z = 2 sigma_g. The ledger
+    then accounts exactly the paper's replace-one Gaussian of multiplier sigma_g (``record`` method)."""
+    from dpfl_lightning.algorithms import DPSCAFFOLD
+    from dpfl_lightning.plugins import FederatedCallback, PrivacyLedger
+    from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+    class ZeroGradient(TinyClassifier):  # every record's gradient is 0: a step moves by the noise only
+        def training_step(self, batch, batch_idx):
+            return 0.0 * super().training_step(batch, batch_idx)
+
+    sigma_g, C, B, records, clients, K, T, delta = 3.0, 0.5, 8, 32, 4, 2, 3, 1e-5
+    ledger = PrivacyLedger(delta=delta)
+    rec_updates = []
+
+    class Updates(FederatedCallback):
+        order = 999
+
+        def on_client_end(self, *, client):
+            if client.round_idx == 0:
+                rec_updates.append(client.payload["update"].detach().double().clone())
+
+    t = quiet_trainer(log_dir, rounds=T, local_steps=K, batch_size=B, seed=1,
+                      algorithm=DPSCAFFOLD(noise_multiplier=2 * sigma_g, max_grad_norm=C, warm_start=False),
+                      plugins=[ledger, Updates()])
+    t.fit(ZeroGradient(lr=1.0), tiny_data(num_clients=clients, samples=records))
+    # round 1 (c = c_i = 0): K steps of lr 1, each -(2C / B) N(0, sigma_g^2) per coordinate
+    noise = torch.cat(rec_updates) / math.sqrt(K)
+    assert noise.numel() > 1000  # the std is known to about 2%
+    assert float(noise.std()) == pytest.approx(2 * C / B * sigma_g, rel=0.06)
+    expected = modern_epsilon(sigma_g, K, T, l=1.0, s=B / records, R=records, M=clients, delta=delta, method="record")
+    assert t.history[-1]["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_dp_scaffold_synthetic_config_uses_the_papers_sigma_g():
+    # paper 001 Sec. 5 / App. D: sigma_g = 60 on synthetic data, i.e. noise_multiplier = 2 sigma_g
+    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "dp_scaffold_synthetic.yaml").read_text())
+    args = config["trainer"]["algorithm"]["init_args"]
+    assert config["trainer"]["algorithm"]["class_path"] == "dpfl_lightning.algorithms.DPSCAFFOLD"
+    assert args["noise_multiplier"] == 2 * 60
+    assert config["trainer"]["batch_size"] / config["data"]["init_args"]["samples_per_client"] == 0.2  # s

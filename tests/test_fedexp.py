@@ -101,6 +101,24 @@ def test_cdp_fedexp_spends_the_update_noise_composed_with_xi(log_dir):
     assert all(h["eta_g"] >= 1 for h in t.history)
 
 
+def test_cdp_fedexp_accounts_xi_with_sensitivity_c_squared(log_dir):
+    # clip C = 0.5: the sum of squared norms changes by at most C^2 (Prop. 4.2's rho_xi = C^4 T /
+    # 2 M^2 sigma_xi^2); with the default sigma_xi = d sigma^2 / M its multiplier is d z^2 / M, whatever C
+    ledger = PrivacyLedger(delta=1e-5)
+    C, z, M = 0.5, 2.0, 5.0
+    t = quiet_trainer(log_dir, rounds=3, clients_per_round=5, sampling="poisson",
+                      algorithm=CDPFedEXP(clip=C, noise_multiplier=z), plugins=[ledger])
+    t.fit(TinyClassifier(), tiny_data(num_clients=40))
+    d = t.module.num_parameters
+    xi_on_sum = M * d * (z * C / math.sqrt(M)) ** 2 / M  # M sigma_xi
+    z_eff = (z**-2 + (xi_on_sum / C**2) ** -2) ** -0.5
+    for rounds, h in enumerate(t.history, start=1):
+        acc = dp_rdp.RdpAccountant()
+        acc.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(5 / 40, dp_accounting.GaussianDpEvent(z_eff)), rounds))
+        assert h["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+
+
 def test_ldp_fedexp_costs_what_ldp_fedavg_costs_and_logs_eta_g(log_dir):
     def run(algorithm):
         t = quiet_trainer(log_dir, rounds=3, clients_per_round=5, algorithm=algorithm)
@@ -218,3 +236,85 @@ def test_privunit_variant_without_the_randomizer_is_refused_before_training(log_
         with pytest.raises(ConfigError, match=r"FedEXP.variant='?ldp_privunit.*PrivUnitRandomizer"):
             trainer.fit(model, tiny_data())
         assert trainer.history == [] and all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+
+
+class _Spy(Recorder):
+    """Per round: what every client sends as FedEXP reads it (order 700: after clipping and local
+    randomization), the cohort's divisor, the sum of squared norms before FedEXP's on_aggregate, and
+    c_bar before FedEXP scales it. A second spy after FedEXP (order 850) sees the sum with xi."""
+
+    def __init__(self, order):
+        super().__init__(order)
+        self.rounds = {}
+
+    def _round(self, r):
+        return self.rounds.setdefault(r, {"sent": [], "estimates": []})
+
+    def on_client_end(self, *, client):
+        row = self._round(client.round_idx)
+        row["sent"].append(client.update.detach().double().clone())
+        if "norm_sq_estimate" in client.payload:
+            row["estimates"].append(float(client.payload["norm_sq_estimate"]))
+
+    def on_aggregate(self, *, server):
+        row = self._round(server.round_idx)
+        row["n"] = server.aggregate.denominator
+        if "norm_sq" in server.aggregate:
+            row["norm_sq"] = server.aggregate.scalar("norm_sq")
+
+    def on_server_update(self, *, server):
+        self._round(server.round_idx)["c_bar"] = server.update.detach().double().clone()
+
+
+@pytest.mark.parametrize("variant", ["ldp_gaussian", "ldp_privunit", "cdp"])
+def test_logged_eta_g_follows_the_papers_formula_with_clip_half(log_dir, variant):
+    """eta_g recomputed from what the server received, with C = 0.5 and noise: eq. (6)
+    max(1, (mean ||c_i||^2 - d sigma^2) / ||c_bar||^2) with sigma = z C for LDP-FedEXP; eq. (8) with
+    the clients' PrivUnit estimates s_hat_i; eq. (7) max(1, (mean ||D_i||^2 + xi) / ||c_bar||^2) for
+    CDP-FedEXP, where c_bar = mean D + N(0, sigma^2 / M) (Alg. 2) with sigma = z C / sqrt(M), and
+    xi ~ N(0, sigma_xi^2) with sigma_xi = d sigma^2 / M (Sec. 4.1, Theorem 4.6). The settings make
+    eta_g > 1 in most rounds, so the formula, not the floor at 1, is compared."""
+    C = 0.5
+    if variant == "ldp_gaussian":
+        z, M, rounds = 0.1, 10, 8
+        algorithm = LDPFedEXP(clip=C, noise_multiplier=z)
+    elif variant == "ldp_privunit":
+        z, M, rounds = None, 40, 4  # PrivUnit's outputs are long: eta_g > 1 needs a large cohort or eps
+        algorithm = LDPFedEXP(clip=C, randomizer="privunit", eps0=10.0, eps1=10.0, eps2=10.0)
+    else:
+        z, M, rounds = 0.3, 10, 20
+        algorithm = CDPFedEXP(clip=C, noise_multiplier=z)
+    before, after = _Spy(order=700), _Spy(order=850)
+    t = quiet_trainer(log_dir, rounds=rounds, clients_per_round=M, local_steps=3, algorithm=algorithm,
+                      plugins=[before, after])
+    model = TinyClassifier(lr=0.5)
+    d = sum(p.numel() for p in model.parameters())
+    t.fit(model, tiny_data(num_clients=max(M, 20)))
+    logged = [h["eta_g"] for h in t.history]
+    ratios, xi, mean_noise = [], [], []
+    for r in range(rounds):
+        row = before.rounds[r]
+        sent, n, c_bar = torch.stack(row["sent"]), row["n"], row["c_bar"]
+        assert n == len(sent) == M
+        sq = (sent**2).sum(1)
+        if variant == "ldp_gaussian":
+            assert torch.allclose(c_bar, sent.mean(0), rtol=0, atol=1e-6)
+            numerator = float(sq.mean()) - d * (z * C) ** 2
+        elif variant == "ldp_privunit":
+            assert torch.allclose(c_bar, sent.mean(0), rtol=0, atol=1e-6)
+            numerator = sum(row["estimates"]) / M
+        else:
+            assert float(sq.max()) <= C**2 * (1 + 1e-5)  # clipped D_i (the noise is central)
+            assert row["norm_sq"] == pytest.approx(float(sq.sum()), rel=1e-6)  # before xi
+            xi.append((after.rounds[r]["norm_sq"] - row["norm_sq"]) / M)  # xi, on the mean
+            mean_noise.append(c_bar - sent.mean(0))
+            numerator = float(sq.mean()) + xi[-1]
+        ratios.append(numerator / float((c_bar**2).sum()))
+        assert logged[r] == pytest.approx(max(1.0, ratios[-1]), rel=1e-6, abs=1e-9), r
+    assert sum(ratio > 1.2 for ratio in ratios) >= rounds / 2
+    if variant == "cdp":
+        sigma = z * C / math.sqrt(M)
+        assert float(torch.cat(mean_noise).std()) == pytest.approx(sigma / math.sqrt(M), rel=0.05)
+        sigma_xi = d * sigma**2 / M
+        spread = math.sqrt(sum(x * x for x in xi) / len(xi)) / sigma_xi  # 1 +- 0.16 for 20 draws
+        assert 0.6 < spread < 1.5

@@ -17,15 +17,6 @@ from dpfl_lightning.plugins.scaffnew import ScaffNew as ScaffNewPlugin
 from dpfl_lightning.plugins.scaffold import SCAFFOLD as SCAFFOLDPlugin
 
 
-_FEDEXP_UNIFORM = ("the adaptive global step size (paper 002 eqs. (2), (6)-(8)) is defined for the plain mean of "
-                   "the updates")
-
-
-def _require_uniform_weighting(trainer, preset: str, why: str) -> None:
-    require(trainer.weighting == "uniform", "trainer.weighting", trainer.weighting, f"{preset}: {why}",
-            "use weighting='uniform'")
-
-
 class Algorithm:
     """A named set of plugins. ``normalize_update_by_lr`` is passed on to the trainer."""
 
@@ -222,10 +213,6 @@ class ScaffNew(Algorithm):
     def plugins(self) -> list[FederatedCallback]:
         return [ScaffNewPlugin(self.p), ServerOptimizer("sgd", lr=1.0)]
 
-    def validate(self, trainer) -> None:
-        _require_uniform_weighting(trainer, type(self).__name__,
-                                   "the control variates h_i sum to zero only under the plain mean of the clients' D_i")
-
 
 class DPScaffNew(ScaffNew):
     """DP-ScaffNew (paper 000 Alg. 2): each client sends ``clip(x_hat_i - x) + N(0, sigma^2 I)``
@@ -259,9 +246,6 @@ class FedEXP(Algorithm):
     def plugins(self) -> list[FederatedCallback]:
         return [FedEXPPlugin("plain", self.half, self.eps, average_last=self.average_last), ServerOptimizer("sgd", lr=1.0)]
 
-    def validate(self, trainer) -> None:
-        _require_uniform_weighting(trainer, type(self).__name__, _FEDEXP_UNIFORM)
-
 
 class LDPFedEXP(Algorithm):
     """LDP-FedEXP (paper 002, Alg. 1): clipped updates randomized on the client -- Gaussian noise
@@ -288,9 +272,6 @@ class LDPFedEXP(Algorithm):
         return [UpdateClipping(self.clip), local,
                 FedEXPPlugin(f"ldp_{self.randomizer}", average_last=self.average_last), ServerOptimizer("sgd", lr=1.0)]
 
-    def validate(self, trainer) -> None:
-        _require_uniform_weighting(trainer, type(self).__name__, _FEDEXP_UNIFORM)
-
 
 class CDPFedEXP(Algorithm):
     """CDP-FedEXP (paper 002, Alg. 2): clipped updates, central noise ``N(0, (z C)^2 I)`` on their sum,
@@ -310,9 +291,6 @@ class CDPFedEXP(Algorithm):
         return [UpdateClipping(self.clip), GaussianNoise(noise_multiplier=self.noise_multiplier, placement="central"),
                 FedEXPPlugin("cdp", sigma_xi=self.sigma_xi, average_last=self.average_last),
                 ServerOptimizer("sgd", lr=1.0)]
-
-    def validate(self, trainer) -> None:
-        _require_uniform_weighting(trainer, type(self).__name__, _FEDEXP_UNIFORM)
 
 
 class AdaptiveClipping(Algorithm):

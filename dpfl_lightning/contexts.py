@@ -43,6 +43,8 @@ class SetupContext:
     rank: int = 0
     world_size: int = 1
     verbose: bool = True
+    weighting: str = "uniform"  # the trainer's client weighting ("uniform" or "samples")
+    normalize_update_by_lr: bool = False  # clients send (local - global) / lr
     norm_bounds: list[tuple[int, tuple[str, ...], Callable[[], float]]] = field(default_factory=list)
     positions: dict[int, int] = field(default_factory=dict)  # id(plugin) -> its position in the plugin list
     mechanisms: list = field(default_factory=list)  # every declared mechanism, filled before the ledger's setup

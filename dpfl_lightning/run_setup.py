@@ -142,7 +142,8 @@ def prepare_privacy(trainer: FederatedTrainer, data: Any, module: Any = None,
     planner = PrivacyPlanner(sampler.accounted(), trainer.rounds, participations, plan.steps_for,
                              min(data.client_num_samples(c) for c in range(data.num_clients)))
     ctx = SetupContext(module, data, sampler, plan, trainer.rounds, random, planner, device or torch.device("cpu"),
-                       trainer.rank, trainer.world_size, trainer.enable_summary)
+                       trainer.rank, trainer.world_size, trainer.enable_summary, trainer.weighting,
+                       trainer.normalize_update_by_lr)
     return ctx
 
 

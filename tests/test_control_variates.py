@@ -63,7 +63,17 @@ def test_sum_of_h_is_zero_and_c_is_the_mean_of_the_c_i(log_dir):
                                       GaussianNoise(noise_multiplier=0.2, placement="local"), inv], 8, 1.0 / L)
     scale = max(inv.scales)
     assert scale > 1e-3  # the h_i moved
-    assert all(float(s.abs().max()) <= 1e-12 * scale for s in inv.sums)  # float64 rounding only
+    # sum_i h_i = (p / eta) sum_i (mean D - D_i) is zero but for the exact aggregation's grid: the mean
+    # differs from the plain float64 mean by at most 2^(L-1) per value (grid 2^L of the update's declared
+    # bound C + tail * sigma), so each round adds at most (p / eta) N 2^(L-1); rounding of float64 aside
+    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.comm.exact_sum import grid_exponent
+    from dpfl_lightning.plugins.gaussian_noise import NOISE_TAIL
+
+    grid = 2.0 ** (grid_exponent(0.5 + NOISE_TAIL * 0.2 * 0.5, N, HEADROOM_BITS) - 1)
+    per_round = 0.3 / (1.0 / L) * N * grid
+    for r, s in enumerate(inv.sums, start=1):
+        assert float(s.abs().max()) <= r * per_round + 1e-12 * scale
     scaffold = SCAFFOLD()
     trainer, _ = _quadratic(log_dir, [scaffold], 8, 0.5 / L, clients_per_round=3)
     mean_c_i = sum(s["c_i"] for s in trainer.client_states.values()) / N
@@ -299,8 +309,7 @@ def test_scaffold_refuses_what_breaks_its_step_count(log_dir):
 
 
 def test_scaffnew_refuses_sample_weighting(log_dir):
-    # sum_i h_i = 0 needs the plain mean of the D_i: the preset refuses at set-up, the plugin alone
-    # in the first round's aggregation, before the model or any h_i moves
+    # sum_i h_i = 0 needs the plain mean of the D_i: refused at set-up, before the model or any h_i moves
     from dpfl_lightning.algorithms import DPScaffNew
     from dpfl_lightning.algorithms import ScaffNew as ScaffNewPreset
 
@@ -315,3 +324,23 @@ def test_scaffnew_refuses_sample_weighting(log_dir):
     with pytest.raises(ConfigError, match=r"trainer.weighting=.*ScaffNew.*weighting='uniform'"):
         trainer.fit(model, tiny_data(num_clients=4))
     assert trainer.history == [] and all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+
+
+def test_scaffnew_refuses_a_learning_rate_schedule(log_dir):
+    class Scheduled(TinyClassifier):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
+                                                       "interval": "step"}}
+
+    trainer = quiet_trainer(log_dir, rounds=1, plugins=[ScaffNew(p=0.5)])
+    with pytest.raises(ConfigError, match="ScaffNew.*step size gamma"):
+        trainer.fit(Scheduled(), tiny_data(num_clients=4))
+    assert trainer.history == []
+
+
+@pytest.mark.parametrize("plugin", [lambda: SCAFFOLD(), lambda: ScaffNew(p=0.5)], ids=["scaffold", "scaffnew"])
+def test_control_variates_refuse_lr_normalized_updates(log_dir, plugin):
+    trainer = quiet_trainer(log_dir, rounds=1, plugins=[plugin()], normalize_update_by_lr=True)
+    with pytest.raises(ConfigError, match="normalize_update_by_lr"):
+        trainer.fit(TinyClassifier(), tiny_data(num_clients=4))

@@ -208,8 +208,7 @@ def test_linear_regression_test_records_are_fresh_draws():
 
 
 def test_fedexp_refuses_sample_weighting(log_dir):
-    # the step size is defined for the uniform mean c_bar: the presets refuse at set-up, the plugin
-    # alone in the first round's aggregation, before the model moves
+    # the step size is defined for the uniform mean c_bar: refused at set-up, before the model moves
     from dpfl_lightning.errors import ConfigError
 
     for algorithm in (FedEXP(), LDPFedEXP(), CDPFedEXP()):

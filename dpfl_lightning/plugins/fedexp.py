@@ -80,6 +80,7 @@ class FedEXP(FederatedCallback):
         return next((m for m in mechanisms if m.placement == "local" and UPDATE in m.covers and m.is_gaussian), None)
 
     def setup(self, *, ctx) -> None:
+        check_uniform_weighting("FedEXP", "the global step size is defined for the plain mean of the updates", ctx)
         self._bound = ctx.norm_bound((UPDATE,), before=self)
         self._d = ctx.module.num_parameters if ctx.module is not None else 1
         self._num_clients = ctx.sampler.expected_cohort
@@ -146,8 +147,6 @@ class FedEXP(FederatedCallback):
             client.payload["norm_sq"].fill_(float(torch.linalg.vector_norm(u, dtype=torch.float64)) ** 2)
 
     def on_aggregate(self, *, server) -> None:
-        check_uniform_weighting("FedEXP", "the global step size is defined for the plain mean of the updates",
-                                server.aggregate)
         if self._mode == "cdp":  # xi on the sum of squared norms: a central Gaussian release
             stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, XI_NOISE)
             stream.add_normal_(server.aggregate["norm_sq"], self._xi_std)

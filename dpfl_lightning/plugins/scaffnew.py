@@ -40,11 +40,9 @@ def geometric_steps(u: float, p: float) -> int:
     return 1 + int(math.floor(math.log1p(-u) / math.log1p(-p)))
 
 
-def check_uniform_weighting(owner: str, why: str, aggregate) -> None:
-    """Refuse ``trainer.weighting="samples"`` (the aggregate then carries the clients' ``weight``).
-    The presets refuse it at set-up; the plugin itself first sees the weighting here, in the first
-    round's ``on_aggregate``, before anything of the round is applied."""
-    if "weight" in aggregate:
+def check_uniform_weighting(owner: str, why: str, ctx) -> None:
+    """Refuse ``trainer.weighting="samples"`` at set-up."""
+    if ctx.weighting != "uniform":
         raise ConfigError("trainer.weighting", "samples", f"{owner}: {why} (every client weighted equally)",
                           "use weighting='uniform'")
 
@@ -70,10 +68,19 @@ class ScaffNew(FederatedCallback):
         self.steps: list[int] = []
 
     def setup(self, *, ctx) -> None:
+        check_uniform_weighting("ScaffNew", "the h_i sum to zero only if the server takes the plain mean of D_i", ctx)
+        require(not ctx.normalize_update_by_lr, "trainer.normalize_update_by_lr", True,
+                "ScaffNew's h_i update (p / gamma)(x - x_hat_i) needs the raw model difference", "leave it False")
         require(ctx.sampler.kind == "full", "trainer.sampling", ctx.sampler.kind,
                 "ScaffNew (paper 000 Alg. 2) runs every client in every round", "leave clients_per_round unset")
         self.num_clients = ctx.data.num_clients
         if ctx.module is not None:
+            from dpfl_lightning.module import parse_optimizers
+
+            _, scheds = parse_optimizers(ctx.model.configure_optimizers())
+            require(not scheds, "model.configure_optimizers", "an LR scheduler",
+                    "ScaffNew's h_i update divides by the one step size gamma of every local step (paper 000 Alg. 2)",
+                    "return a plain SGD optimizer without a scheduler (client_lr_decay changes gamma between rounds)")
             self._grads = FlatGrads(ctx.module.parameter_list, ctx.module.parameter_slices)
             self._d = ctx.module.num_parameters
             self._device = ctx.device
@@ -110,10 +117,6 @@ class ScaffNew(FederatedCallback):
         # D_i after clipping and noise, and the step size of this round, for the update of h_i
         client.state["scaffnew_D"] = client.payload["update"].double().clone()
         client.state["scaffnew_eta"] = client.lr
-
-    def on_aggregate(self, *, server) -> None:
-        check_uniform_weighting("ScaffNew", "the h_i sum to zero only if the server takes the plain mean of D_i",
-                                server.aggregate)
 
     def on_server_update(self, *, server) -> None:
         mean = server.update  # mean D (the server optimizer applies it next)

@@ -102,6 +102,8 @@ class SCAFFOLD(FederatedCallback):
         self._warm = 0
 
     def setup(self, *, ctx) -> None:
+        require(not ctx.normalize_update_by_lr, "trainer.normalize_update_by_lr", True,
+                "SCAFFOLD's c_i update (x - y_i) / (K eta_l) needs the raw model difference", "leave it False")
         require(ctx.sampler.kind != "poisson" or not self.warm_start, "SCAFFOLD.warm_start", True,
                 "the warm start spreads clients over rounds of a fixed-size cohort", "use uniform or full sampling")
         self.num_clients = ctx.data.num_clients

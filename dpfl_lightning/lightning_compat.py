@@ -134,7 +134,6 @@ that ``MyModule.load_from_checkpoint(path)`` loads (see :mod:`dpfl_lightning.exp
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +141,7 @@ from dpfl_lightning.callbacks import RoundTrainer, check_callbacks
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.module import (FederatedLightningModule, LoopSettings, _ScheduleCursor, is_overridden,
                                    optimizer_steps_per_round)
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.plan import RoundPlan, batch_shape
 
 if TYPE_CHECKING:
     from dpfl_lightning.data.module import FederatedDataModule
@@ -229,8 +228,7 @@ class LightningRun:
         steps = set()
         for n in sizes:
             total = plan.steps_for(n)
-            bs = n if not trainer.batch_size else min(int(trainer.batch_size), n)
-            steps.add(optimizer_steps_per_round(total, math.ceil(n / bs), k))
+            steps.add(optimizer_steps_per_round(total, batch_shape(n, trainer.batch_size)[1], k))
         module.loop.steps_reference = max(steps)
         self.steps_differ = len(steps) > 1
         shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client

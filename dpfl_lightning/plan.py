@@ -11,6 +11,13 @@ from dpfl_lightning.errors import require
 BATCH_SAMPLINGS = ("shuffle", "poisson", "fixed")
 
 
+def batch_shape(num_samples: int, batch_size: int | None) -> tuple[int, int]:
+    """``(records per batch, batches per local epoch)`` of a client with ``num_samples`` records;
+    ``batch_size`` ``None`` or 0 is one full batch."""
+    bs = num_samples if not batch_size else min(int(batch_size), num_samples)
+    return bs, math.ceil(num_samples / bs)
+
+
 @dataclass
 class RoundPlan:
     """One round's work.
@@ -47,5 +54,4 @@ class RoundPlan:
         """Local steps a client with ``num_samples`` records takes under this plan."""
         if self.local_steps is not None:
             return self.local_steps
-        bs = num_samples if not self.batch_size else min(self.batch_size, num_samples)
-        return self.local_epochs * math.ceil(num_samples / bs)
+        return self.local_epochs * batch_shape(num_samples, self.batch_size)[1]

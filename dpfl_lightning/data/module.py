@@ -24,6 +24,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 
 from dpfl_lightning.data.partition import PARTITIONS, partition
 from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.plan import batch_shape
 from dpfl_lightning.rng import Stream
 
 Batch = Any
@@ -380,8 +381,7 @@ class FederatedDataModule:
         generator = stream.generator if stream is not None else None
         idx = self._train_idx[client]
         n = idx.numel()
-        bs = n if not batch_size else min(int(batch_size), n)
-        per_epoch = math.ceil(n / bs)
+        bs, per_epoch = batch_shape(n, batch_size)
         if sampling != "shuffle":
             require(stream is not None, "sampling", sampling, "DP-SGD batches need a random stream",
                     "pass stream=RandomSource(...).stream(...)")

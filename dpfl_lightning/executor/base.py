@@ -10,7 +10,6 @@ aggregate) one client while the next one trains. Executors never see plugins or 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -18,6 +17,7 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.module import ClientRun
+from dpfl_lightning.plan import batch_shape
 
 if TYPE_CHECKING:
     from dpfl_lightning.contexts import ClientContext
@@ -54,8 +54,7 @@ class RoundWork:
         """``(batches this round, batches per local epoch)`` of ``client`` under the plan: where its
         learning-rate schedule and ``global_step`` stand (see :mod:`dpfl_lightning.lightning_compat`)."""
         n = self.data.client_num_samples(client)
-        bs = n if not self.plan.batch_size else min(int(self.plan.batch_size), n)
-        return self.plan.steps_for(n), math.ceil(n / bs)
+        return self.plan.steps_for(n), batch_shape(n, self.plan.batch_size)[1]
 
 
 class Executor:

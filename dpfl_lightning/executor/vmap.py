@@ -14,6 +14,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.executor.base import Executor, RoundWork
 from dpfl_lightning.module import ClientRun, parse_optimizers
+from dpfl_lightning.plan import batch_shape
 
 
 # Optimizers whose update is elementwise: running one on parameters stacked over clients is the
@@ -159,8 +160,7 @@ class VmapExecutor(Executor):
         drawn from the same keyed streams, as :meth:`FederatedDataModule.client_batches` (so vmap and
         sequential train on the same batches); plus the batch size and the number of steps."""
         plan, data = work.plan, work.data
-        bs = n if not plan.batch_size else min(plan.batch_size, n)
-        per_epoch = math.ceil(n / bs)
+        bs, per_epoch = batch_shape(n, plan.batch_size)
         steps = plan.local_steps if plan.local_steps is not None else plan.local_epochs * per_epoch
         passes = math.ceil(steps / per_epoch)
         rows = []

@@ -15,7 +15,7 @@ at most half the cores as threads; the hand loop is one process); the vectorised
 ``--threads`` torch threads. Rounds after a warm-up; the table reports the median round and its
 ratio to the hand-written loop of the same workload, measured in the same run.
 
-    python benchmarks/round_overhead.py [--rounds 12] [--threads 1] [--workloads W1,W2]
+    python benchmarks/round_overhead.py [--rounds 12] [--threads 1] [--workloads W1,W2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", type=str, default="W1,W2")
+    ap.add_argument("--repeats", type=int, default=1, help="measure every row this many times, in turn")
     ap.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -201,25 +202,40 @@ def main() -> None:
         return
     print(f"DP-FedAvg round: {M_ROUND} of {M} clients x {SAMPLES} samples, 1 epoch of batch {BATCH}, clip {CLIP}, "
           f"central z={Z}; torch {torch.__version__}, {args.threads} thread(s) per process, median of {args.rounds} rounds")
-    print(f"{'workload':<9}{'row':<34}{'s/round':>10}{'x hand loop':>13}")
+    if args.repeats > 1:
+        print(f"every row measured {args.repeats} times in turn; s/round and ratio are medians over the repeats "
+              "(each ratio against the hand loop of the same repeat), range: the ratios' min-max")
+    print(f"{'workload':<9}{'row':<34}{'s/round':>10}{'x hand loop':>13}" + (f"{'range':>16}" if args.repeats > 1 else ""))
     for workload in args.workloads.split(","):
         data = make_data(workload)
-        rows = {}
         hand_written_rounds(data, workload, 1, 99)  # warm-up
-        rows["hand-written loop"] = statistics.median(hand_written_rounds(data, workload, args.rounds, 0))
-        rows["dpfl_lightning, 1 rank"] = statistics.median(framework_rounds(data, workload, args.rounds + 2, 0)[1:])
-        # two ranks share the cores: more threads than cores / 2 per rank would oversubscribe them
-        per_rank = max(1, min(args.threads, available_cpus() // 2))
-        rows[f"dpfl_lightning, 2 ranks x {per_rank} thr"] = two_ranks(workload, args.rounds, per_rank)
-        try:
-            rows["dpfl_lightning, vmap, 1 rank"] = statistics.median(
-                framework_rounds(data, workload, args.rounds + 2, 0, "vmap")[1:])
-        except Exception as exc:  # noqa: BLE001 - the table says why
-            rows[f"dpfl_lightning, vmap: refused ({type(exc).__name__})"] = float("nan")
-        rows["hand-written vmap loop"] = statistics.median(hand_written_vmap_rounds(data, workload, args.rounds, 0))
-        base = rows["hand-written loop"]
-        for name, t in rows.items():
-            print(f"{workload:<9}{name:<34}{t:>10.4f}{t / base:>13.3f}")
+        runs: dict[str, list[float]] = {}
+        for _ in range(args.repeats):  # rows in turn, so a slower stretch of the machine hits every row
+            for name, t in one_pass(data, workload, args.rounds, args.threads).items():
+                runs.setdefault(name, []).append(t)
+        base = runs["hand-written loop"]
+        for name, ts in runs.items():
+            ratios = [t / b for t, b in zip(ts, base)]
+            line = f"{workload:<9}{name:<34}{statistics.median(ts):>10.4f}{statistics.median(ratios):>13.3f}"
+            if args.repeats > 1:
+                line += f"{min(ratios):>8.3f}-{max(ratios):.3f}"
+            print(line)
+
+
+def one_pass(data, workload: str, rounds: int, threads: int) -> dict[str, float]:
+    """Every row once: the median seconds per round of each."""
+    rows = {}
+    rows["hand-written loop"] = statistics.median(hand_written_rounds(data, workload, rounds, 0))
+    rows["dpfl_lightning, 1 rank"] = statistics.median(framework_rounds(data, workload, rounds + 2, 0)[1:])
+    # two ranks share the cores: more threads than cores / 2 per rank would oversubscribe them
+    per_rank = max(1, min(threads, available_cpus() // 2))
+    rows[f"dpfl_lightning, 2 ranks x {per_rank} thr"] = two_ranks(workload, rounds, per_rank)
+    try:
+        rows["dpfl_lightning, vmap, 1 rank"] = statistics.median(framework_rounds(data, workload, rounds + 2, 0, "vmap")[1:])
+    except Exception as exc:  # noqa: BLE001 - the table says why
+        rows[f"dpfl_lightning, vmap: refused ({type(exc).__name__})"] = float("nan")
+    rows["hand-written vmap loop"] = statistics.median(hand_written_vmap_rounds(data, workload, rounds, 0))
+    return rows
 
 
 if __name__ == "__main__":

@@ -202,21 +202,28 @@ class TorchStream(Stream):
         return torch.randperm(n, generator=self.cpu_generator)
 
 
-_FIRST_BLOCK, _MAX_BLOCK = 1 << 12, 1 << 20  # bytes of SHAKE-256 output per block (doubling)
+_FIRST_BLOCK, _MAX_BLOCK = 1 << 9, 1 << 20  # bytes of SHAKE-256 output per block (doubling)
 
 
-class SecureStream(Stream):
-    """A CSPRNG stream: SHAKE-256 of (key, block counter), read block after block; blocks double
-    from 4 KiB to 1 MiB, so a short stream costs little and a long one runs at SHAKE's speed."""
+class HashStream(Stream):
+    """SHAKE-256 of (key, block counter), read block after block; blocks double from 512 B to 1 MiB,
+    so a short stream costs little (a client's shuffle: ~2 us, against ~25 us to key a Mersenne
+    Twister) and a long one runs at SHAKE's speed. ``randperm`` argsorts its uniforms. A torch
+    ``generator`` (for code that takes one, e.g. a DataLoader) is keyed on first use."""
 
     def __init__(self, key: bytes, torch_key: bytes | None = None) -> None:
         self._key = key
+        self._torch_key = torch_key or key
+        self._generator: torch.Generator | None = None
         self._block = 0
         self._buf = b""
         self._pos = 0
-        # torch code that needs a generator (shuffles that no guarantee relies on) gets one keyed
-        # from the secret as well: unpredictable without it, though not a CSPRNG.
-        self.generator = torch_generator(torch_key or key, "cpu")
+
+    @property
+    def generator(self) -> torch.Generator:  # type: ignore[override]
+        if self._generator is None:
+            self._generator = torch_generator(self._torch_key, "cpu")
+        return self._generator
 
     def _refill(self) -> None:
         size = min(_FIRST_BLOCK << self._block, _MAX_BLOCK)
@@ -236,6 +243,15 @@ class SecureStream(Stream):
             self._pos += 8 * take
             filled += take
         return torch.from_numpy(out)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        return torch.argsort(self.uniform(n), stable=True)
+
+
+class SecureStream(HashStream):
+    """A CSPRNG stream (:class:`HashStream` keyed by the secret). Its torch ``generator``, for
+    shuffles that no guarantee relies on, is keyed from the secret as well: unpredictable without
+    it, though not a CSPRNG."""
 
     def _standard_normals(self, n: int) -> torch.Tensor:
         """``n`` N(0, 1) values in float64 (Box-Muller on 53-bit uniforms)."""
@@ -280,6 +296,8 @@ class RandomSource:
         key = self.key(round_idx, client, purpose, tag)
         if self.secure and is_private(purpose):
             return SecureStream(key, derive_key(self.seed, round_idx, client, purpose + 10_000, self._secret, tag))
+        if purpose == DATA:  # a client's shuffles: small, many, on the CPU
+            return HashStream(key)
         return TorchStream(key, device)
 
     def generator(self, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -161,3 +161,27 @@ def test_vmap_refuses_at_setup_what_fails_inside_vmap(log_dir, model, match):
     with pytest.raises(ConfigError, match=match):
         trainer.fit(model(), tiny_data())
     quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(model(), tiny_data())  # the sequential executor runs it
+
+
+class WithOptimizer(TinyClassifier):
+    def __init__(self, make):
+        super().__init__(lr=0.1)
+        self.make = make
+
+    def configure_optimizers(self):
+        return self.make(self)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: torch.optim.SGD(m.parameters(), lr=0.1),  # the direct p -= lr g path
+    lambda m: torch.optim.SGD([{"params": m.net[0].parameters(), "lr": 0.05},
+                               {"params": m.net[2].parameters()}], lr=0.1),  # groups with their own lr
+    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),  # the optimizer's own step
+    lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+], ids=["sgd", "sgd-groups", "momentum", "adam"])
+def test_vmap_runs_the_modules_optimizer_like_sequential(log_dir, make):
+    out = {}
+    for ex in ("sequential", "vmap"):
+        t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex)
+        out[ex] = t.fit(WithOptimizer(make), tiny_data()).global_params.clone()
+    assert torch.allclose(out["vmap"], out["sequential"], atol=1e-5)

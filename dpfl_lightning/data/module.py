@@ -375,10 +375,9 @@ class FederatedDataModule:
         each record with probability ``batch_size / n`` (the batch size varies and can be 0);
         ``"fixed"`` draws every batch independently as ``batch_size`` records without replacement.
         One "epoch" is then ``ceil(n / batch_size)`` such draws. Randomness comes from ``stream``
-        (shuffles from its torch generator; DP-SGD's batches from its uniforms, which are the CSPRNG's
-        in secure mode)."""
+        (shuffles from its ``randperm``, or its torch generator for a DataLoader; DP-SGD's batches
+        from its uniforms, which are the CSPRNG's in secure mode)."""
         self.setup()
-        generator = stream.generator if stream is not None else None
         idx = self._train_idx[client]
         n = idx.numel()
         bs, per_epoch = batch_shape(n, batch_size)
@@ -395,7 +394,7 @@ class FederatedDataModule:
         while True:
             if tensors is not None:
                 if shuffle:
-                    perm = torch.randperm(n, generator=generator)
+                    perm = stream.randperm(n) if stream is not None else torch.randperm(n)
                     order = idx[perm if on_cpu else perm.to(idx.device)]
                 else:
                     order = idx
@@ -407,7 +406,8 @@ class FederatedDataModule:
                         return
             else:
                 loader = DataLoader(Subset(self._train_ds, idx.tolist()), batch_size=bs, shuffle=shuffle,
-                                    generator=generator, collate_fn=self._collate)
+                                    generator=stream.generator if stream is not None else None,
+                                    collate_fn=self._collate)
                 for b, batch in enumerate(loader):
                     yield epoch, b, batch
                     step += 1

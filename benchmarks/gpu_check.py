@@ -181,6 +181,19 @@ def secure():
             "seconds_per_round": statistics.median(trainer.round_times)}
 
 
+@check("noise_streams_on_cuda")
+def noise_streams():
+    """A CPU-keyed noise stream noising several CUDA tensors (GaussianNoise's segments, DP-SGD's
+    parameters) must not repeat its draws from one tensor to the next."""
+    from dpfl_lightning import rng
+
+    stream = rng.RandomSource(1).stream(0, 0, rng.CLIENT_NOISE)
+    x, y = torch.zeros(1000, device="cuda"), torch.zeros(1000, device="cuda")
+    stream.add_normal_(x, 1.0)
+    stream.add_normal_(y, 1.0)
+    return {"distinct": not torch.equal(x, y), "std": float(torch.cat([x, y]).std())}
+
+
 @check("control_variates_resume_on_cuda")
 def control_variates_resume():
     """SCAFFOLD and ScaffNew keep per-client state; a run resumed on the GPU from a checkpoint (which
@@ -269,6 +282,7 @@ def main() -> None:
         print(json.dumps(RESULTS))
         return
     checks = {"two_ranks": two_ranks, "nccl": nccl, "dpsgd": dpsgd, "bf16": bf16, "secure": secure,
+              "noise_streams": noise_streams,
               "control_variates_resume": control_variates_resume, "fold_100m": fold_100m,
               "w2": lambda: w2(args.rounds)}
     for name in (args.only.split(",") if args.only else checks):

@@ -163,34 +163,45 @@ class Stream:
         return torch.argsort(self.uniform(n))
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index (``cuda`` is the current CUDA device), so one device has one name."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class TorchStream(Stream):
     """Simulation streams: torch's generators keyed with the full 128-bit key."""
 
     def __init__(self, key: bytes, device: torch.device | str = "cpu") -> None:
         self.key = key
-        self.device = torch.device(device)
-        self._cpu: torch.Generator | None = None
+        self.device = _indexed(device)
         self.generator = torch_generator(key, self.device)
+        self._on: dict[torch.device, torch.Generator] = {self.device: self.generator}
+
+    def generator_on(self, device: torch.device | str) -> torch.Generator:
+        """This stream's generator on ``device``, keyed on first use and then continued: successive
+        draws on one device never repeat each other (a CUDA tensor noised from a CPU stream, say)."""
+        device = _indexed(device)
+        if device not in self._on:
+            self._on[device] = torch_generator(self.key, device)
+        return self._on[device]
 
     @property
     def cpu_generator(self) -> torch.Generator:
-        if self.device.type == "cpu":
-            return self.generator
-        if self._cpu is None:
-            self._cpu = torch_generator(self.key, "cpu")
-        return self._cpu
+        return self.generator_on("cpu")
 
     def uniform(self, n: int) -> torch.Tensor:
         return torch.rand(n, generator=self.cpu_generator, dtype=torch.float64)
 
     def normal(self, shape, std, device="cpu", dtype=torch.float32):
         device = torch.device(device)
-        g = self.generator if device.type == self.device.type else torch_generator(self.key, device)
-        out = torch.randn(shape, generator=g, device=device, dtype=dtype)
+        out = torch.randn(shape, generator=self.generator_on(device), device=device, dtype=dtype)
         return out.mul_(std) if std != 1.0 else out
 
     def add_normal_(self, x: torch.Tensor, std: float) -> torch.Tensor:
-        g = self.generator if x.device.type == self.device.type else torch_generator(self.key, x.device)
+        g = self.generator_on(x.device)
         flat = x.view(-1)
         dtype = torch.float32 if x.dtype == torch.float64 else x.dtype  # float32 draws: half the work
         for lo in range(0, flat.numel(), NOISE_BLOCK):  # blocks: no temporary the size of a large model

@@ -317,3 +317,28 @@ def test_logged_eta_g_follows_the_papers_formula_with_clip_half(log_dir, variant
         sigma_xi = d * sigma**2 / M
         spread = math.sqrt(sum(x * x for x in xi) / len(xi)) / sigma_xi  # 1 +- 0.16 for 20 draws
         assert 0.6 < spread < 1.5
+
+
+def test_privunit_draws_from_the_csprng_in_secure_mode(log_dir, monkeypatch):
+    # PrivUnit is the mechanism: in secure mode its randomness is the SHAKE-256 stream keyed by the
+    # run's secret, in a simulation the seed's stream (reproducible)
+    from dpfl_lightning import rng
+    from dpfl_lightning.privacy import privunit
+
+    seen = []
+    original = privunit.privatize
+
+    def spy(x, consts, source):
+        seen.append(type(source))
+        return original(x, consts, source)
+
+    monkeypatch.setattr(privunit, "privatize", spy)
+    outs = {}
+    for secure in (True, False, False):
+        after = Recorder(order=900)
+        t = quiet_trainer(log_dir, rounds=1, clients_per_round=2, seed=3, secure=secure, plugins=[after],
+                          algorithm=LDPFedEXP(clip=1.0, randomizer="privunit"))
+        t.fit(TinyClassifier(), tiny_data())
+        outs.setdefault(secure, []).append(after.updates[0])
+    assert seen[:2] == [rng.SecureStream] * 2 and rng.SecureStream not in seen[2:]
+    assert torch.equal(outs[False][0], outs[False][1])

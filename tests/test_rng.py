@@ -80,3 +80,19 @@ def test_tags_separate_streams_and_the_empty_tag_is_the_untagged_key():
     assert src.key(1, 2, rng.CLIENT_NOISE, "") == rng.derive_key(3, 1, 2, rng.CLIENT_NOISE)
     keys = {src.key(1, 2, rng.CLIENT_NOISE, t) for t in ("", "update", "dc", "update,dc")}
     assert len(keys) == 4
+
+
+def test_successive_draws_of_a_stream_never_repeat_whatever_the_device():
+    # A noise stream opened on one device and used on tensors of another (a CPU stream noising CUDA
+    # parameters) must continue one sequence per device, not restart it for every tensor.
+    stream = rng.RandomSource(2).stream(0, 3, rng.CLIENT_NOISE)
+    a, b = torch.zeros(64), torch.zeros(64)
+    stream.add_normal_(a, 1.0)
+    stream.add_normal_(b, 1.0)
+    assert not torch.equal(a, b)
+    assert stream.generator_on("cpu") is stream.generator_on(torch.device("cpu"))
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines
+        x, y = torch.zeros(64, device="cuda"), torch.zeros(64, device="cuda")
+        stream.add_normal_(x, 1.0)
+        stream.add_normal_(y, 1.0)
+        assert not torch.equal(x, y)

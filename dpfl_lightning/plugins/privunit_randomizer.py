@@ -10,8 +10,8 @@ composition. The client also sends Alg. 5's estimate ``s_hat`` of ``||x||^2`` fr
 (``norm_sq_estimate``, post-processing), for LDP-FedEXP's step size (eq. (8)).
 
 The math lives in :mod:`dpfl_lightning.privacy.privunit` (log-space constants, stable up to
-``d = 10^7``). Its sampler takes a torch generator: in secure mode that generator is keyed from the
-run's secret (unpredictable without it) but it is not the CSPRNG that draws the Gaussian noise.
+``d = 10^7``). Its randomness is the client's keyed stream: in secure mode the CSPRNG (SHAKE-256
+keyed by the run's secret; Gaussian directions drawn as the noise is, in float64).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class PrivUnitRandomizer(FederatedCallback):
 
     def on_client_end(self, *, client) -> None:
         u = client.payload[UPDATE]
-        g = client.random.generator(client.round_idx, client.client, PRIVUNIT)
-        release = privunit.privatize(u.detach().to("cpu", torch.float64), self.consts, g)
+        stream = client.random.stream(client.round_idx, client.client, PRIVUNIT)  # the CSPRNG in secure mode
+        release = privunit.privatize(u.detach().to("cpu", torch.float64), self.consts, stream)
         u.copy_(release.c.to(u.device, u.dtype))
         s_hat = privunit.estimate_sq_norm_of(release.c, self.consts)
         client.payload["norm_sq_estimate"].fill_(float(s_hat))

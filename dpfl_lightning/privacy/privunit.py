@@ -76,7 +76,8 @@ and the regularized incomplete beta for the cap mass ``P = I_{(1-gamma)/2}(alpha
 exactly: ``(1 + t)/2 ~ Beta(alpha, alpha)`` truncated to the cap or its complement, by inverse
 CDF (``betaincinv``, float64), inverting whichever tail mass is smaller so the tails keep their
 relative precision; ``1 - t^2`` is formed as ``4 X (1 - X)``. The uniforms come from the caller's
-``torch.Generator`` (float64); the vector part (a Gaussian projected orthogonally to ``u``) is
+``torch.Generator`` or :class:`~dpfl_lightning.rng.Stream` (float64; a stream is the CSPRNG in
+secure mode); the vector part (a Gaussian projected orthogonally to ``u``) is
 drawn on the generator's device and computed on the input's device, in float64 for float64
 input and float32 otherwise; ``V`` is renormalized so ``||Z|| = 1/m`` to float rounding.
 
@@ -102,6 +103,7 @@ import torch
 from scipy import special
 
 from dpfl_lightning.errors import NonFiniteUpdateError, require
+from dpfl_lightning.rng import Stream
 
 GAMMA_RULES = ("paper", "exact")
 SIGN_MARGIN_WARN = 1e-4  # warn when the sign of r_hat cannot be recovered robustly
@@ -313,8 +315,10 @@ def privunit_constants(
 # ----------------------------------------------------------------------------- sampling
 
 
-def _uniforms(generator: torch.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """float64 uniforms in [0, 1) from the caller's generator, as a CPU numpy array."""
+def _uniforms(generator: torch.Generator | Stream, shape: tuple[int, ...]) -> np.ndarray:
+    """float64 uniforms in [0, 1) from the caller's generator or stream, as a CPU numpy array."""
+    if isinstance(generator, Stream):  # e.g. the CSPRNG of secure mode
+        return generator.uniform(math.prod(shape)).numpy().reshape(shape)
     u = torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
     return u.cpu().numpy()
 
@@ -367,8 +371,10 @@ def _unit_rows(x: torch.Tensor, what: str) -> torch.Tensor:
     return y / _row_norms(y).to(y.dtype)
 
 
-def _gaussian(generator: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Standard normals drawn on the generator's device, moved to ``device``."""
+def _gaussian(generator: torch.Generator | Stream, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Standard normals drawn on the generator's device (a stream's on ``device``), moved to ``device``."""
+    if isinstance(generator, Stream):
+        return generator.normal(shape, 1.0, device, dtype)
     return torch.randn(shape, generator=generator, dtype=dtype, device=generator.device).to(device)
 
 

@@ -43,6 +43,9 @@ class LoggedMetrics:
 
     def __init__(self) -> None:
         self.current_batch_size = 1
+        # Whether the hook logging now is per batch of training (training_step, batch hooks), where
+        # Lightning's defaults are on_step=True, on_epoch=False; elsewhere on_step=False, on_epoch=True.
+        self.step_level = False
         self.prog_bar: set[str] = set()
         self.reset()
 
@@ -52,6 +55,7 @@ class LoggedMetrics:
         self._values: dict[str, list[tuple[Any, float]]] = {}
         self._reducers: dict[str, str] = {}
         self._metrics: dict[str, Any] = {}
+        self._forks: dict[str, str] = {}  # "<name>_epoch" -> name
 
     def log(
         self,
@@ -74,8 +78,10 @@ class LoggedMetrics:
         reduces across ranks itself)."""
         if logger is False:
             return
+        on_step = self.step_level if on_step is None else on_step
+        on_epoch = (not self.step_level) if on_epoch is None else on_epoch
         if on_step and on_epoch:  # Lightning forks the name: the epoch (here: round) value is also "<name>_epoch"
-            self.log(f"{name}_epoch", value, prog_bar, logger, False, True, reduce_fx, batch_size=batch_size)
+            self._forks[f"{name}_epoch"] = name
         if prog_bar:
             self.prog_bar.add(name)
         if type(value) is torch.Tensor and reduce_fx == "mean" and name in self._values:  # the per-step fast path
@@ -105,9 +111,9 @@ class LoggedMetrics:
             return
         self._values.setdefault(name, []).append((value, weight))
 
-    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+    def log_dict(self, dictionary: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         for name, value in dictionary.items():
-            self.log(name, value, **kwargs)
+            self.log(name, value, *args, **kwargs)
 
     def results(self) -> dict[str, tuple[float, float, str]]:
         """``{name: (reduced value * weight, weight, reducer)}`` for merging; Metrics are computed
@@ -130,6 +136,9 @@ class LoggedMetrics:
             metric.reset()
             weight = 1.0
             out[name] = (float(torch.as_tensor(value).double()), weight, "mean")
+        for fork, name in self._forks.items():
+            if name in out:
+                out[fork] = out[name]
         self.reset()
         return out
 

@@ -864,6 +864,7 @@ class FederatedLightningModule:
         # frozen); evaluation restores every submodule's mode afterwards.
         try:
             m.on_train_epoch_start()
+            logged.step_level = True
             for epoch, batch_idx, batch in batches:
                 if transfer:
                     batch = self._transfer(batch)
@@ -906,10 +907,12 @@ class FederatedLightningModule:
                 samples += n
                 if shim.should_stop:  # the module ended this client's local training
                     break
+            logged.step_level = False
             m.on_train_epoch_end()
         finally:
             for h in handles:
                 h.remove()
+            logged.step_level = False
             shim.training = False
             shim.is_last_batch = False
             shim.optimizers = []

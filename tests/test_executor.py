@@ -51,6 +51,8 @@ class LogsWithOptions(TinyClassifier):
         self.log("hidden_loss", loss, logger=False)  # not for the logs
         self.log("max_loss", loss, reduce_fx="max")
         self.log("weighted_loss", loss, batch_size=1 + batch_idx)  # the user's own weights
+        self.log_dict({"hidden_dict": loss}, logger=False)
+        self.log_dict({"max_dict": loss}, reduce_fx="max")
         return loss
 
 
@@ -60,8 +62,9 @@ def test_vmap_passes_self_log_options_through_like_sequential(log_dir):
         t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex, batch_size=4)
         t.fit(LogsWithOptions(), tiny_data())
         out[ex] = t.history[-1]
-    assert "hidden_loss" not in out["vmap"] and "hidden_loss" not in out["sequential"]
-    for key in ("max_loss", "weighted_loss"):
+    for hidden in ("hidden_loss", "hidden_dict"):
+        assert hidden not in out["vmap"] and hidden not in out["sequential"]
+    for key in ("max_loss", "weighted_loss", "max_dict"):
         assert out["vmap"][key] == pytest.approx(out["sequential"][key], rel=1e-5), key
 
 

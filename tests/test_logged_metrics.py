@@ -49,23 +49,43 @@ def test_max_and_min_through_the_trainer(log_dir):
 
 
 def test_on_step_and_on_epoch_fork_the_name_as_lightning_does(log_dir):
-    # lightning.Trainer logs a value logged with on_step=True and on_epoch=True as "<name>_epoch" (and
-    # "<name>_step"); a ModelCheckpoint or EarlyStopping may monitor "<name>_epoch".
+    # lightning.Trainer reports a value logged with on_step and on_epoch both in force -- given, or
+    # by the hook's defaults (training_step: on_step; validation_step: on_epoch) -- also as
+    # "<name>_epoch", which a ModelCheckpoint or EarlyStopping may monitor; a Metric is computed once.
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
+    from torchmetrics.classification import MulticlassAccuracy
 
-    class Both(TinyClassifier):
+    class Forks(TinyClassifier):
+        def __init__(self):
+            super().__init__()
+            self.acc = MulticlassAccuracy(num_classes=10)
+
         def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
+            x, y = batch
+            logits = self(x)
+            loss = torch.nn.functional.cross_entropy(logits, y)
+            self.acc(logits, y)
             self.log("both", loss, on_step=True, on_epoch=True)
+            self.log("ep", loss, on_epoch=True)  # on_step by training_step's default
+            self.log("plain", loss)  # on_step only: no fork
+            self.log("acc", self.acc, on_step=True, on_epoch=True)
             return loss
 
-    ref = Both()
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("vl", torch.nn.functional.cross_entropy(self(x), y), on_step=True)  # on_epoch by default
+
     data = tiny_data()
+    loader = DataLoader(TensorDataset(*data.in_memory_tensors), batch_size=5)
     t = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False)
-    t.fit(ref, DataLoader(TensorDataset(*data.in_memory_tensors), batch_size=5))
-    assert "both_epoch" in t.callback_metrics
-    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=4, batch_size=5)
-    trainer.fit(Both(), data)
-    assert trainer.history[0]["both_epoch"] == pytest.approx(trainer.history[0]["both"])
+    t.fit(Forks(), loader, loader)
+    forked = {"both_epoch", "ep_epoch", "acc_epoch", "vl_epoch"}
+    assert forked <= set(t.callback_metrics) and "plain_epoch" not in t.callback_metrics
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=4, batch_size=5, log_client_metrics=True)
+    trainer.fit(Forks(), data)
+    row = trainer.history[0]
+    assert forked <= set(row) and "plain_epoch" not in row
+    assert row["both_epoch"] == row["both"] and row["ep_epoch"] == row["ep"] and row["vl_epoch"] == row["vl"]
+    assert row["acc_epoch"] == row["acc"] > 0  # computed once, not again after its reset

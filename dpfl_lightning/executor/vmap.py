@@ -42,7 +42,7 @@ class _TrainingStep(nn.Module):
 
         def log_dict(dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
             for name, value in dictionary.items():
-                log(name, value)
+                log(name, value, *args, **kwargs)
 
         inner = self.inner
         saved = inner.__dict__.get("log"), inner.__dict__.get("log_dict")
@@ -204,6 +204,7 @@ class VmapExecutor(Executor):
         shim = module.trainer_shim
         module.set_client_shape(plan.round_idx, steps, steps)
         shim.training = True
+        logged.step_level = True
         named = dict(zip(self._names, params))
         samples = 0
         for s in range(steps):
@@ -232,6 +233,7 @@ class VmapExecutor(Executor):
             samples += size
         shim.is_last_batch = False
         shim.training = False
+        logged.step_level = False
         lr = float(groups[0]["lr"])
         for j, k in enumerate(positions):
             torch.sub(flat[j], module.global_params, out=work.out(k))

@@ -92,3 +92,31 @@ def test_a_bounded_run_keeps_no_rows_and_an_unbounded_one_says_so(log_dir):
     free.fit(TinyClassifier(), tiny_data())
     assert free.aggregator.kept == ["update"]
     assert any("no bound" in note for note in free.aggregator.notes())
+
+
+def test_a_sum_beyond_the_exact_range_across_ranks_is_refused_on_every_rank():
+    # Each rank's own sum fits the grid's exact range, their total does not: the check must look at
+    # the all-reduced total (the same on every rank), so every rank refuses alike instead of one
+    # raising while the others wait in the all-reduce.
+    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.comm.exact_sum import grid_exponent
+    from dpfl_lightning.errors import NonFiniteUpdateError
+
+    class FourIdenticalRanks(Communicator):
+        def allreduce_max_(self, tensor):
+            return tensor
+
+        def allreduce_sum_(self, tensor):
+            return tensor.mul_(4)
+
+    layout = PayloadLayout([Segment("update", 8)])
+    n, bound = 20, 1.0
+    L = grid_exponent(bound, 4 * n, HEADROOM_BITS)
+    agg = PayloadAggregator(layout, torch.device("cpu"))
+    agg.start(4 * n, {"update": bound})
+    for _ in range(n):
+        agg.client_views()
+        agg.update_out.zero_()[0] = 2.0 ** (L + 52) / n  # this rank's sum: 2^52 grid units, exact
+        agg.fold()
+    with pytest.raises(NonFiniteUpdateError, match="'update'.*value_bound"):
+        agg.reduce(FourIdenticalRanks())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -182,6 +183,7 @@ class FederatedTrainer:
         self.history: list[dict[str, float]] = []
         self.round_times: list[float] = []  # wall-clock seconds of each round (never logged in a DP run)
         self.client_states: dict[int, dict[str, Any]] = {}
+        self._warned_secure_states = False
         self.current_round = 0
         self.skipped_clients = 0  # non-finite clients skipped by this rank
         self.should_stop = False
@@ -541,12 +543,19 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_state(self, rounds_done: int) -> dict[str, Any] | None:
-        gathered = self.comm.gather_object(self.client_states, root=0)
+        # Only clients with state: an empty entry would still say that the client took part once.
+        kept = {c: s for c, s in self.client_states.items() if s}
+        gathered = self.comm.gather_object(kept, root=0)
         if not self.is_global_zero:
             return None
         client_states: dict[int, dict[str, Any]] = {}
         for part in gathered:
             client_states.update(part)
+        if self.secure and client_states and not self._warned_secure_states:
+            self._warned_secure_states = True
+            warnings.warn("secure mode: the checkpoints hold per-client state (e.g. SCAFFOLD's c_i) of the clients "
+                          "that took part, so successive checkpoints reveal the cohorts that the guarantee keeps "
+                          "secret: keep checkpoints as private as the clients' data", stacklevel=2)
         return {
             "format": ckpt.FORMAT,
             "round": rounds_done,

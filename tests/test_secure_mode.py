@@ -105,12 +105,13 @@ def test_secure_checkpoints_do_not_reveal_cohorts(tmp_path):
         t = quiet_trainer(str(d), rounds=3, clients_per_round=5, sampling="poisson", secure=secure, checkpoint_every=1,
                           plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement="local"), ledger])
         t.fit(TinyClassifier(), tiny_data(num_clients=30))
-        files = sorted(glob.glob(str(d / "**" / "*.ckpt"), recursive=True))
-        assert files
+        files = sorted(glob.glob(str(d / "**" / "round-*.ckpt"), recursive=True))
+        assert len(files) == 3
         found = []
         for f in files:
             blob = checkpoint.load(f)
             found += [v for k, v in _walk(blob) if k.endswith("counts") and v]
+            found += list(blob["client_states"])  # the ids of clients with state: who took part
         return found, ledger
 
     found, ledger = plugin_state_counts(False)
@@ -141,3 +142,12 @@ def test_secure_per_client_epsilon_uses_a_binomial_participation_bound(log_dir):
         acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z / 2), k))
         assert row["epsilon"] == acc.get_epsilon(1e-4 - tail)
     assert math.isfinite(trainer.history[-1]["epsilon"])
+
+
+def test_secure_checkpoints_with_per_client_state_warn_that_they_reveal_cohorts(tmp_path):
+    from dpfl_lightning.plugins import SCAFFOLD
+
+    t = quiet_trainer(str(tmp_path), rounds=2, clients_per_round=2, secure=True, checkpoint_every=1,
+                      plugins=[SCAFFOLD(warm_start=False)])
+    with pytest.warns(UserWarning, match="reveal the cohorts"):
+        t.fit(TinyClassifier(), tiny_data(num_clients=6))

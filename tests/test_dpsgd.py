@@ -185,3 +185,16 @@ def test_pfl_preset_checks_e_times_r(log_dir):
     ok = quiet_trainer(log_dir, rounds=2, local_epochs=2, algorithm=PFL(noise_multiplier=1.0, total_epochs=4))
     ok.fit(TinyClassifier(), tiny_data(num_clients=4))
     assert [type(p).__name__ for p in ok.plugins] == ["DPSGD", "ServerOptimizer", "PrivacyLedger"]
+
+
+def test_dpsgd_refuses_a_trainable_layer_in_eval_mode(log_dir):
+
+    model = TinyClassifier()
+    model.net[0].eval()  # kept as the user set it, as lightning.Trainer keeps it
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)])
+    with pytest.raises(ConfigError, match=r"net\.0.*eval mode"):
+        trainer.fit(model, tiny_data())
+    frozen = TinyClassifier()
+    frozen.net[0].eval()
+    frozen.net[0].requires_grad_(False)  # a frozen layer in eval mode is fine
+    quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)]).fit(frozen, tiny_data())

@@ -198,6 +198,14 @@ class DPSGD(FederatedCallback):
         require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
                 "set trainer.batch_size (the expected batch size B)")
         self._coverage_checked = False
+        if ctx.model is not None:
+            # Opacus records a layer's activations only in train mode: a trainable layer left in
+            # eval mode would have no per-record gradients (its submodules keep the user's modes).
+            idle = [name or type(m).__name__ for name, m in ctx.model.named_modules()
+                    if not m.training and any(p.requires_grad for p in m.parameters(recurse=False))]
+            require(not idle, "model", idle[:3], "DP-SGD needs per-record gradients of every trainable layer, and "
+                    "Opacus sees none of a layer in eval mode", "put these layers in train mode, or freeze their "
+                    "parameters (requires_grad=False)")
         self._profiles = self._client_profiles(ctx)
         if self.target_epsilon is not None:
             if self.delta is None:

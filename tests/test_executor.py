@@ -188,3 +188,28 @@ def test_vmap_runs_the_modules_optimizer_like_sequential(log_dir, make):
         t = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex)
         out[ex] = t.fit(WithOptimizer(make), tiny_data()).global_params.clone()
     assert torch.allclose(out["vmap"], out["sequential"], atol=1e-5)
+
+
+def test_vmap_trains_every_client_on_the_sequential_executors_batches():
+    # 2 local epochs of batch 4: two shuffles per client from its keyed DATA stream, all clients'
+    # drawn together by vmap and client after client by client_batches: the same records in order
+    from types import SimpleNamespace
+
+    from dpfl_lightning import rng
+    from dpfl_lightning.executor.vmap import VmapExecutor
+    from dpfl_lightning.plan import RoundPlan
+
+    data = tiny_data()
+    data.setup()
+    random = rng.RandomSource(7)
+    plan = RoundPlan(round_idx=3, cohort=[0, 1, 2], batch_size=4, local_epochs=2)
+    clients = [0, 1, 2]
+    n = data.client_num_samples(0)
+    orders, bs, steps = VmapExecutor()._orders(SimpleNamespace(plan=plan, data=data, random=random), clients, n)
+    x = data.in_memory_tensors[0]
+    for j, c in enumerate(clients):
+        batches = list(data.client_batches(c, 4, epochs=2, stream=random.stream(3, c, rng.DATA)))
+        assert len(batches) == steps
+        seq = torch.cat([b[0] for _, _, b in batches])
+        vm = x[orders[j, : len(seq)]]
+        assert torch.equal(seq, vm)

@@ -167,16 +167,17 @@ class VmapExecutor(Executor):
         bs, per_epoch = batch_shape(n, plan.batch_size)
         steps = plan.local_steps if plan.local_steps is not None else plan.local_epochs * per_epoch
         passes = math.ceil(steps / per_epoch)
-        rows = []
-        for c in clients:
-            idx = data.client_indices(c)
-            if bs < n:
-                stream = work.random.stream(plan.round_idx, c, rng.DATA)
-                perms = [stream.randperm(n) for _ in range(passes)]
-                rows.append(torch.cat([idx[p if idx.device.type == "cpu" else p.to(idx.device)] for p in perms]))
-            else:
-                rows.append(idx.repeat(passes))
-        return torch.stack(rows), bs, steps
+        idx = torch.stack([data.client_indices(c) for c in clients])  # [clients, n]
+        if bs >= n:
+            return idx.repeat(1, passes), bs, steps
+        # A client's shuffles are argsorts of its DATA stream's successive uniforms (HashStream.randperm,
+        # as client_batches draws them pass after pass): all clients' passes in one argsort.
+        streams = [work.random.stream(plan.round_idx, c, rng.DATA) for c in clients]
+        assert all(isinstance(s, rng.HashStream) for s in streams)
+        u = torch.stack([s.uniform(passes * n) for s in streams]).view(len(clients), passes, n)
+        perms = torch.argsort(u, dim=2, stable=True).to(idx.device)
+        rows = torch.gather(idx.unsqueeze(1).expand(-1, passes, -1), 2, perms)
+        return rows.reshape(len(clients), passes * n), bs, steps
 
     def _train_chunk(self, work: RoundWork, positions: list[int]) -> Iterator:
         module, plan, data = work.module, work.plan, work.data

@@ -157,15 +157,16 @@ class PayloadAggregator:
         if self.exact:
             for a, b, L in self._scales:  # from grid units back to values: exact (a power of two), and
                 # A sum beyond 2^53 grid units means values far above their declared bound (the
-                # headroom is 2^8): it would no longer be exact. This rank's sum is poisoned with a NaN,
+                # headroom is 2^8): it would no longer be exact. Below 2^53 / ranks on every rank, any
+                # order of adding the ranks stays exact; else this rank's sum is poisoned with a NaN,
                 # which the all-reduce carries to every rank, so all of them refuse the round alike.
-                if b > a and not float(self._acc[a:b].abs().amax()) < 2.0**53:
+                if b > a and not _max_abs(self._acc[a:b]) < 2.0**53 / max(comm.size, 1):
                     self._acc[a] = math.nan
                 self._acc[a:b].mul_(2.0**L)  # multiples of 2^L below 2^(L+53) add exactly across ranks
         comm.allreduce_sum_(self._acc)  # in place: the sums are the round's until the next start()
         if self.exact:
             for a, b, L in self._scales:  # the total, identical on every rank, within the exact range?
-                if b > a and not float(self._acc[a:b].abs().amax()) < 2.0 ** (L + 53):
+                if b > a and not _max_abs(self._acc[a:b]) < 2.0 ** (L + 53):
                     name = next(s.name for s in self.layout.segments if self.layout.offsets[s.name] == (a, b))
                     raise NonFiniteUpdateError(
                         f"payload segment {name!r}: its sum is not finite or beyond the exact range, so a plugin "
@@ -173,3 +174,9 @@ class PayloadAggregator:
                         f"(value_bound); nothing of this round was applied. Fix: make the plugins' value_bound "
                         f"cover what they write, or set trainer.exact_aggregation=false")
         return self.layout.views(self._acc)
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    """``max |x|`` without a temporary the size of ``x``; NaN if ``x`` holds one."""
+    lo, hi = torch.aminmax(x)
+    return max(-float(lo), float(hi)) if not (math.isnan(float(lo)) or math.isnan(float(hi))) else math.nan

@@ -80,6 +80,9 @@ class LoggedMetrics:
             return
         on_step = self.step_level if on_step is None else on_step
         on_epoch = (not self.step_level) if on_epoch is None else on_epoch
+        if not on_step and not on_epoch:
+            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing (lightning.Trainer "
+                             "refuses it too); set on_step or on_epoch")
         if on_step and on_epoch:  # Lightning forks the name: the epoch (here: round) value is also "<name>_epoch"
             self._forks[f"{name}_epoch"] = name
         if prog_bar:

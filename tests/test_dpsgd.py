@@ -187,8 +187,7 @@ def test_pfl_preset_checks_e_times_r(log_dir):
     assert [type(p).__name__ for p in ok.plugins] == ["DPSGD", "ServerOptimizer", "PrivacyLedger"]
 
 
-def test_dpsgd_refuses_a_trainable_layer_in_eval_mode(log_dir):
-
+def test_dpsgd_refuses_a_trainable_layer_run_in_eval_mode(log_dir):
     model = TinyClassifier()
     model.net[0].eval()  # kept as the user set it, as lightning.Trainer keeps it
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)])
@@ -198,3 +197,13 @@ def test_dpsgd_refuses_a_trainable_layer_in_eval_mode(log_dir):
     frozen.net[0].eval()
     frozen.net[0].requires_grad_(False)  # a frozen layer in eval mode is fine
     quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)]).fit(frozen, tiny_data())
+
+    class Unfreezes(TinyClassifier):  # a backbone given in eval mode, switched to train mode by a hook
+        def on_train_start(self):
+            self.net.train()
+
+    late = Unfreezes()
+    late.net.eval()
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)])
+    t.fit(late, tiny_data())
+    assert math.isfinite(t.history[-1]["epsilon"])

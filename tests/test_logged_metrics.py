@@ -89,3 +89,14 @@ def test_on_step_and_on_epoch_fork_the_name_as_lightning_does(log_dir):
     assert forked <= set(row) and "plain_epoch" not in row
     assert row["both_epoch"] == row["both"] and row["ep_epoch"] == row["ep"] and row["vl_epoch"] == row["vl"]
     assert row["acc_epoch"] == row["acc"] > 0  # computed once, not again after its reset
+
+
+def test_logging_neither_per_step_nor_per_epoch_is_refused_as_in_lightning(log_dir):
+    class Nowhere(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("x", loss, on_step=False)  # training_step's default on_epoch is False
+            return loss
+
+    with pytest.raises(ValueError, match="on_step=False, on_epoch=False"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(Nowhere(), tiny_data())

@@ -82,9 +82,23 @@ def test_tags_separate_streams_and_the_empty_tag_is_the_untagged_key():
     assert len(keys) == 4
 
 
-def test_successive_draws_of_a_stream_never_repeat_whatever_the_device():
+def test_successive_draws_of_a_stream_never_repeat_whatever_the_device(monkeypatch):
     # A noise stream opened on one device and used on tensors of another (a CPU stream noising CUDA
-    # parameters) must continue one sequence per device, not restart it for every tensor.
+    # parameters) must continue one sequence per device, not restart it for every tensor: the
+    # generator of a device is keyed once, whatever spelling of the device asks for it.
+    keyed = []
+    original = rng.torch_generator
+
+    def counting(key, device="cpu"):
+        keyed.append(torch.device(device))
+        return original(key, "cpu")  # a CPU generator stands in for the CUDA one
+
+    monkeypatch.setattr(rng, "torch_generator", counting)
+    stream = rng.RandomSource(2).stream(0, 3, rng.CLIENT_NOISE)
+    cuda = stream.generator_on(torch.device("cuda", 0))
+    assert stream.generator_on("cuda:0") is cuda and stream.generator_on(torch.device("cuda:0")) is cuda
+    assert keyed == [torch.device("cpu"), torch.device("cuda", 0)]  # the stream's own, then cuda:0 once
+    monkeypatch.setattr(rng, "torch_generator", original)
     stream = rng.RandomSource(2).stream(0, 3, rng.CLIENT_NOISE)
     a, b = torch.zeros(64), torch.zeros(64)
     stream.add_normal_(a, 1.0)

@@ -204,37 +204,39 @@ class VmapExecutor(Executor):
         # is at the same step (current_epoch = round, global_step from round * steps, is_last_batch)
         shim = module.trainer_shim
         module.set_client_shape(plan.round_idx, steps, steps)
-        shim.training = True
-        logged.step_level = True
         named = dict(zip(self._names, params))
         samples = 0
-        for s in range(steps):
-            epoch, b = divmod(s, per_epoch)
-            sel = orders[:, epoch * n + b * bs : epoch * n + min((b + 1) * bs, n)]
-            batch = tuple(t[sel] for t in tensors)
-            self._step.batch_idx = b
-            shim.is_last_batch = s + 1 == steps
-            grads, (_, logs) = self._fn(named, batch)
-            if opt is None:  # plain SGD: what SGD.step does, p.add_(g, alpha=-lr), without its bookkeeping
-                with torch.no_grad():
-                    for g, group_names in zip(groups, names):
-                        torch._foreach_add_(g["params"], [grads[n] for n in group_names], alpha=-g["lr"])
-            else:
-                for p, name in zip(params, self._names):
-                    p.grad = grads[name]
-                opt.step()
-            shim.global_step += 1
-            size = sel.shape[1]
-            for name, values in logs.items():
-                args, kwargs = self._step.log_options.get(name, ((), {}))
-                if len(args) < 10:  # batch_size is self.log's 11th argument after the value
-                    kwargs = {"batch_size": size, **kwargs}
-                for v in values:
-                    logged.log(name, v, *args, **kwargs)
-            samples += size
-        shim.is_last_batch = False
-        shim.training = False
-        logged.step_level = False
+        shim.training = True
+        logged.step_level = True
+        try:
+            for s in range(steps):
+                epoch, b = divmod(s, per_epoch)
+                sel = orders[:, epoch * n + b * bs : epoch * n + min((b + 1) * bs, n)]
+                batch = tuple(t[sel] for t in tensors)
+                self._step.batch_idx = b
+                shim.is_last_batch = s + 1 == steps
+                grads, (_, logs) = self._fn(named, batch)
+                if opt is None:  # plain SGD: what SGD.step does, p.add_(g, alpha=-lr), without its bookkeeping
+                    with torch.no_grad():
+                        for g, group_names in zip(groups, names):
+                            torch._foreach_add_(g["params"], [grads[name] for name in group_names], alpha=-g["lr"])
+                else:
+                    for p, name in zip(params, self._names):
+                        p.grad = grads[name]
+                    opt.step()
+                shim.global_step += 1
+                size = sel.shape[1]
+                for name, values in logs.items():
+                    args, kwargs = self._step.log_options.get(name, ((), {}))
+                    if len(args) < 10:  # batch_size is self.log's 11th argument after the value
+                        kwargs = {"batch_size": size, **kwargs}
+                    for v in values:
+                        logged.log(name, v, *args, **kwargs)
+                samples += size
+        finally:  # as fit_client: the flags never outlive the chunk, even when training_step raises
+            shim.is_last_batch = False
+            shim.training = False
+            logged.step_level = False
         lr = float(groups[0]["lr"])
         for j, k in enumerate(positions):
             torch.sub(flat[j], module.global_params, out=work.out(k))

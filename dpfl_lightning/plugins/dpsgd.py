@@ -198,14 +198,6 @@ class DPSGD(FederatedCallback):
         require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
                 "set trainer.batch_size (the expected batch size B)")
         self._coverage_checked = False
-        if ctx.model is not None:
-            # Opacus records a layer's activations only in train mode: a trainable layer left in
-            # eval mode would have no per-record gradients (its submodules keep the user's modes).
-            idle = [name or type(m).__name__ for name, m in ctx.model.named_modules()
-                    if not m.training and any(p.requires_grad for p in m.parameters(recurse=False))]
-            require(not idle, "model", idle[:3], "DP-SGD needs per-record gradients of every trainable layer, and "
-                    "Opacus sees none of a layer in eval mode", "put these layers in train mode, or freeze their "
-                    "parameters (requires_grad=False)")
         self._profiles = self._client_profiles(ctx)
         if self.target_epsilon is not None:
             if self.delta is None:
@@ -220,6 +212,12 @@ class DPSGD(FederatedCallback):
             # Hooks on the layers: the module's own training_step computes per-record gradients. Set
             # here, not in setup, so that a run failing during set-up leaves no hooks on the model.
             self._grad_sample_module = GradSampleModule(ctx.model, strict=False, loss_reduction=self.loss_reduction)
+            # Opacus records a layer's activations only in train mode, and the submodules keep the
+            # modes the user gives them (hooks such as on_train_start may change them): a trainable
+            # layer run in eval mode with gradients on is refused when it runs, with its name.
+            self._mode_hooks = [m.register_forward_pre_hook(self._refuse_eval_mode(name or type(m).__name__))
+                                for name, m in ctx.model.named_modules()
+                                if any(p.requires_grad for p in m.parameters(recurse=False))]
 
     def _client_profiles(self, ctx) -> tuple[RecordProfile, ...]:
         """Clients grouped by dataset size (their sampling rate and steps differ)."""
@@ -272,7 +270,20 @@ class DPSGD(FederatedCallback):
         return KeyedDPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
                                 expected_batch_size=expected, loss_reduction=self.loss_reduction, noise_stream=stream)
 
+    @staticmethod
+    def _refuse_eval_mode(name: str):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not module.training and torch.is_grad_enabled():
+                raise ConfigError("model", name, "DP-SGD needs per-record gradients of every trainable layer, and "
+                                  "Opacus records none of a layer in eval mode",
+                                  "keep the layer in train mode while training, or freeze its parameters "
+                                  "(requires_grad=False)")
+        return hook
+
     def on_fit_end(self, *, ctx) -> None:
+        for h in getattr(self, "_mode_hooks", []):
+            h.remove()
+        self._mode_hooks = []
         if self._grad_sample_module is not None:
             self._grad_sample_module.cleanup()  # remove Opacus hooks and attributes from the model
             self._grad_sample_module = None

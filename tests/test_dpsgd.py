@@ -203,7 +203,7 @@ def test_dpsgd_refuses_a_trainable_layer_run_in_eval_mode(log_dir):
             self.net.train()
 
     late = Unfreezes()
-    late.net.eval()
+    late.eval()  # the whole module, as from_pretrained-style loaders return it
     t = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)])
     t.fit(late, tiny_data())
     assert math.isfinite(t.history[-1]["epsilon"])

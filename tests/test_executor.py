@@ -213,3 +213,16 @@ def test_vmap_trains_every_client_on_the_sequential_executors_batches():
         seq = torch.cat([b[0] for _, _, b in batches])
         vm = x[orders[j, : len(seq)]]
         assert torch.equal(seq, vm)
+
+
+def test_vmap_refuses_a_training_step_that_stops_local_training(log_dir):
+    class StopsEarly(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                self.trainer.should_stop = True
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap", batch_size=4)
+    with pytest.raises(ConfigError, match="should_stop.*sequential"):
+        trainer.fit(StopsEarly(), tiny_data())
+    quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=4).fit(StopsEarly(), tiny_data())  # sequential: fine

@@ -207,6 +207,7 @@ class VmapExecutor(Executor):
         named = dict(zip(self._names, params))
         samples = 0
         shim.training = True
+        shim.should_stop = False
         logged.step_level = True
         try:
             for s in range(steps):
@@ -216,6 +217,10 @@ class VmapExecutor(Executor):
                 self._step.batch_idx = b
                 shim.is_last_batch = s + 1 == steps
                 grads, (_, logs) = self._fn(named, batch)
+                if shim.should_stop:  # set inside training_step: it would end one client's training
+                    raise ConfigError("trainer.executor", "vmap", "training_step set self.trainer.should_stop, which "
+                                      "ends a client's local training; vectorised clients take their steps together",
+                                      "use executor='sequential'")
                 if opt is None:  # plain SGD: what SGD.step does, p.add_(g, alpha=-lr), without its bookkeeping
                     with torch.no_grad():
                         for g, group_names in zip(groups, names):

@@ -41,7 +41,11 @@ from dpfl_lightning.privacy.mechanisms import Mechanism, RecordProfile
 
 
 def _unsupported_layers(model: torch.nn.Module) -> list[str]:
-    return list(dict.fromkeys(str(e) for e in ModuleValidator.validate(model, strict=False)))
+    """Opacus's objections to the model's layers. Its "needs to be in training mode" is left out: the
+    modes are the user's until training (a hook may switch them), and a layer that runs in eval mode
+    is refused then, by name."""
+    errors = (str(e) for e in ModuleValidator.validate(model, strict=False))
+    return list(dict.fromkeys(e for e in errors if "training mode" not in e))
 
 
 def _transplant(model: torch.nn.Module, fixed: torch.nn.Module) -> None:

@@ -137,6 +137,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
 from dpfl_lightning.callbacks import RoundTrainer, check_callbacks
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.module import (FederatedLightningModule, LoopSettings, _ScheduleCursor, is_overridden,
@@ -282,6 +284,11 @@ class LightningRun:
                     cb.load_state_dict(self.saved_callback_states[cb.state_key])
             self.adapter.call("on_fit_start")
         inner.on_fit_start()
+        eval_modules = [name for name, m in inner.named_modules() if not m.training]
+        if eval_modules and self.trainer.is_global_zero:  # lightning.Trainer's own warning, at the same point
+            warnings.warn(f"Found {len(eval_modules)} module(s) in eval mode at the start of training. This may lead to "
+                          "unexpected behavior during training. If this is intentional, you can ignore this warning.",
+                          PossibleUserWarning, stacklevel=2)
         if self.adapter is not None:
             self.adapter.call("on_train_start")
         inner.on_train_start()

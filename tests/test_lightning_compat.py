@@ -878,14 +878,16 @@ class FrozenDropout(L.LightningModule):
 def test_submodule_modes_are_kept_as_under_lightning(log_dir):
     x, y = torch.randn(40, 5) * 3 + 1, torch.randint(0, 3, (40,))
     ref = FrozenDropout()
-    _lightning_trainer(limit_val_batches=1).fit(ref, DataLoader(TensorDataset(x, y), batch_size=10),
-                                                DataLoader(TensorDataset(x, y), batch_size=10))
+    with pytest.warns(UserWarning, match="1 module\\(s\\) in eval mode at the start of training"):
+        _lightning_trainer(limit_val_batches=1).fit(ref, DataLoader(TensorDataset(x, y), batch_size=10),
+                                                    DataLoader(TensorDataset(x, y), batch_size=10))
     assert ref.modes_in_training == {(True, False)} and not ref.net[1].training
 
     ours = FrozenDropout()
     data = FederatedDataModule.from_tensors(x, y, num_clients=4, partition="iid", seed=0)
     t = quiet_trainer(log_dir, rounds=2, clients_per_round=2, eval_every=1)
-    t.fit(ours, data)
+    with pytest.warns(UserWarning, match="1 module\\(s\\) in eval mode at the start of training"):
+        t.fit(ours, data)
     assert ours.modes_in_training == ref.modes_in_training
     assert not ours.net[1].training and ours.net[0].training
 

@@ -114,7 +114,26 @@ class DPFedAvgClipLR(DPFedAvg):
         super().__init__(clip, noise_multiplier, placement, server_lr, server_momentum)
 
 
-class PFL(Algorithm):
+class _DPSGDClients:
+    """The DP-SGD client settings the presets with DP-SGD clients (PFL, DP-SCAFFOLD) share."""
+
+    def _dpsgd_settings(self, noise_multiplier: float | None, target_epsilon: float | None, delta: float | None,
+                        max_grad_norm: float, sampling: str, fix_model: bool, accountant: str) -> None:
+        self.noise_multiplier = noise_multiplier
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.max_grad_norm = max_grad_norm
+        self.sampling = sampling
+        self.fix_model = fix_model
+        self.accountant = accountant
+
+    def _dpsgd(self) -> DPSGD:
+        return DPSGD(noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon, delta=self.delta,
+                     max_grad_norm=self.max_grad_norm, sampling=self.sampling, fix_model=self.fix_model,
+                     accountant=self.accountant)
+
+
+class PFL(_DPSGDClients, Algorithm):
     """Paper 004 Alg. 1 (PFL): every client trains with DP-SGD for ``E`` local epochs (record-level
     DP towards the server), the server averages the models (FedAvg, ``theta = 1/k sum theta_i``).
 
@@ -128,20 +147,11 @@ class PFL(Algorithm):
     def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                  delta: float | None = None, max_grad_norm: float = 1.0, sampling: str = "poisson",
                  total_epochs: int | None = None, fix_model: bool = False, accountant: str = "rdp") -> None:
-        self.noise_multiplier = noise_multiplier
-        self.target_epsilon = target_epsilon
-        self.delta = delta
-        self.max_grad_norm = max_grad_norm
-        self.sampling = sampling
+        self._dpsgd_settings(noise_multiplier, target_epsilon, delta, max_grad_norm, sampling, fix_model, accountant)
         self.total_epochs = total_epochs
-        self.fix_model = fix_model
-        self.accountant = accountant
 
     def plugins(self) -> list[FederatedCallback]:
-        return [DPSGD(noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon, delta=self.delta,
-                      max_grad_norm=self.max_grad_norm, sampling=self.sampling, fix_model=self.fix_model,
-                      accountant=self.accountant),
-                ServerOptimizer("sgd", lr=1.0)]
+        return [self._dpsgd(), ServerOptimizer("sgd", lr=1.0)]
 
     def validate(self, trainer) -> None:
         if self.total_epochs is None:
@@ -168,7 +178,7 @@ class SCAFFOLD(Algorithm):
         return [SCAFFOLDPlugin(self.warm_start, self.warm_start_rounds), ServerOptimizer("sgd", lr=self.server_lr)]
 
 
-class DPSCAFFOLD(SCAFFOLD):
+class DPSCAFFOLD(_DPSGDClients, SCAFFOLD):
     """DP-SCAFFOLD(-warm) (paper 001 Alg. 1): DP-SGD clients (per-record clipping ``max_grad_norm``,
     a ``noise_multiplier`` or a ``target_epsilon``) with SCAFFOLD's control variates, which cost no
     extra privacy (Claim 4.1). ``warm_start=True`` is DP-SCAFFOLD-warm (Sec. 3.3).
@@ -185,19 +195,12 @@ class DPSCAFFOLD(SCAFFOLD):
     def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                  delta: float | None = None, max_grad_norm: float = 1.0, sampling: str = "fixed",
                  server_lr: float = 1.0, warm_start: bool = True, warm_start_rounds: int | None = None,
-                 accountant: str = "rdp") -> None:
+                 accountant: str = "rdp", fix_model: bool = False) -> None:
         super().__init__(server_lr, warm_start, warm_start_rounds)
-        self.noise_multiplier = noise_multiplier
-        self.target_epsilon = target_epsilon
-        self.delta = delta
-        self.max_grad_norm = max_grad_norm
-        self.sampling = sampling
-        self.accountant = accountant
+        self._dpsgd_settings(noise_multiplier, target_epsilon, delta, max_grad_norm, sampling, fix_model, accountant)
 
     def plugins(self) -> list[FederatedCallback]:
-        return [DPSGD(noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon, delta=self.delta,
-                      max_grad_norm=self.max_grad_norm, sampling=self.sampling, accountant=self.accountant),
-                *super().plugins()]
+        return [self._dpsgd(), *super().plugins()]
 
 
 class ScaffNew(Algorithm):

@@ -211,7 +211,6 @@ class RoundTrainer:
         has_val = run.module.has_validation_step and (run.data.has_val_set or run.data.has_test_set)
         self.num_val_batches = [1 if has_val else 0]
         self.num_sanity_val_steps = 0
-        self._evaluated = False
         self.fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(
             val_loop=SimpleNamespace(_has_run=False), batch_progress=SimpleNamespace(is_last_batch=True),
             _batches_that_stepped=0))
@@ -313,7 +312,6 @@ class RoundTrainer:
 
     def set_round(self, round_idx: int, row: dict[str, float] | None, evaluated: bool) -> None:
         self.current_epoch = round_idx
-        self._evaluated = evaluated
         self.fit_loop.epoch_loop.val_loop._has_run = evaluated
         self.fit_loop.epoch_loop._batches_that_stepped = self.global_step
         if row is not None:

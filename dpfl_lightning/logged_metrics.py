@@ -46,7 +46,6 @@ class LoggedMetrics:
         # Whether the hook logging now is per batch of training (training_step, batch hooks), where
         # Lightning's defaults are on_step=True, on_epoch=False; elsewhere on_step=False, on_epoch=True.
         self.step_level = False
-        self.prog_bar: set[str] = set()
         self.reset()
 
     def reset(self) -> None:
@@ -85,8 +84,6 @@ class LoggedMetrics:
                              "refuses it too); set on_step or on_epoch")
         if on_step and on_epoch:  # Lightning forks the name: the epoch (here: round) value is also "<name>_epoch"
             self._forks[f"{name}_epoch"] = name
-        if prog_bar:
-            self.prog_bar.add(name)
         if type(value) is torch.Tensor and reduce_fx == "mean" and name in self._values:  # the per-step fast path
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) needs a single-element tensor, got shape {tuple(value.shape)}")

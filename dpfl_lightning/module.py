@@ -173,7 +173,6 @@ def optimizer_steps_per_round(batches: int, batches_per_epoch: int, accumulate: 
 
 
 # ---------------------------------------------------------------------------------------- loop settings
-PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 
 
 @dataclass
@@ -450,7 +449,7 @@ class FederatedLightningModule:
         self._automatic = bool(getattr(self.inner, "automatic_optimization", True))
 
     # ------------------------------------------------------------------ run set-up
-    def configure_loop(self, settings: LoopSettings, datamodule: Any = None, loggers: list[Any] | None = None) -> None:
+    def configure_loop(self, settings: LoopSettings, datamodule: Any = None) -> None:
         """The trainer's settings for this run (before :meth:`prepare`)."""
         self.loop = settings
         self.datamodule = datamodule
@@ -468,9 +467,6 @@ class FederatedLightningModule:
         shim.check_val_every_n_epoch = settings.eval_every
         shim.log_dir = shim.default_root_dir = settings.log_dir
         shim.datamodule = datamodule
-        if loggers is not None:
-            shim.loggers = list(loggers)
-            shim.logger = shim.loggers[0] if shim.loggers else None
         self._cursors = {}
         self._has_schedulers = None
         self.round_metrics = {}

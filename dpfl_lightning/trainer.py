@@ -185,7 +185,6 @@ class FederatedTrainer:
         self.client_states: dict[int, dict[str, Any]] = {}
         self._warned_secure_states = False
         self.current_round = 0
-        self.skipped_clients = 0  # non-finite clients skipped by this rank
         self.should_stop = False
         self.stop_reason: str | None = None
         self.run: RunSetup | None = None
@@ -454,7 +453,6 @@ class FederatedTrainer:
             if not bool(torch.isfinite(row).all()):
                 raise NonFiniteUpdateError(f"round {ctx.round_idx + 1}: the plugins turned client {ctx.client}'s zero "
                                            "update into a non-finite one. Fix: check the plugins' settings")
-            self.skipped_clients += 1
             flag = "nonfinite" if "nonfinite" in ctx.payload else "skipped"
             if flag in ctx.payload:
                 ctx.payload[flag].fill_(1.0)

@@ -24,7 +24,7 @@ def _server(update, n, **sums):
 
 def _plugin(variant, **kw):
     p = FedEXPPlugin(variant, **kw)
-    p._mode, p._d = variant, 3
+    p._d = 3
     return p
 
 

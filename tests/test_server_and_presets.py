@@ -116,3 +116,14 @@ def test_per_client_evaluation(log_dir):
     trainer.fit(TinyClassifier(in_features=64), Digits(num_clients=10, client_test_fraction=0.3))
     last = trainer.history[-1]
     assert 0 <= last["client_my_val_acc_p10"] <= last["client_my_val_acc_mean"] <= 1
+
+
+def test_presets_with_dp_sgd_clients_pass_every_dp_sgd_setting_on():
+    from dpfl_lightning.algorithms import DPSCAFFOLD, PFL
+    from dpfl_lightning.plugins import DPSGD
+
+    for preset in (PFL(noise_multiplier=0.7, max_grad_norm=2.0, sampling="fixed", fix_model=True, accountant="pld"),
+                   DPSCAFFOLD(noise_multiplier=0.7, max_grad_norm=2.0, sampling="fixed", fix_model=True, accountant="pld")):
+        (dpsgd,) = [p for p in preset.plugins() if isinstance(p, DPSGD)]
+        assert (dpsgd.noise_multiplier, dpsgd.max_grad_norm, dpsgd.sampling, dpsgd.fix_model, dpsgd.accountant) == \
+            (0.7, 2.0, "fixed", True, "pld")

@@ -87,7 +87,6 @@ class FedEXP(FederatedCallback):
         if self.variant == "cdp" and self._bound is None:
             raise ConfigError("FedEXP.variant", "cdp", "the squared norms need a bound (C^2) for their noise",
                               "add UpdateClipping(C) before FedEXP")
-        self._mode = self.variant
 
     def payload_segments(self, *, ctx) -> list[Segment]:
         if self.variant in ("plain", "cdp"):
@@ -112,22 +111,22 @@ class FedEXP(FederatedCallback):
                               "update", "add GaussianNoise(noise_multiplier=..., placement='central') or give sigma_xi")
         sigma_sum = update[0].noise_multiplier * update[0].sensitivity  # std on the sum of updates
         sigma = sigma_sum / math.sqrt(M)  # paper 002: the mean carries N(0, sigma^2 / M)
-        return M * self._d * sigma**2 / M
+        return M * (self._d * sigma**2 / M)  # M sigma_xi with sigma_xi = d sigma^2 / M
 
     def on_fit_start(self, *, ctx) -> None:
-        if self._mode == "ldp_gaussian":
+        if self.variant == "ldp_gaussian":
             m = self._local_gaussian(ctx.mechanisms)
             if m is None:
                 raise ConfigError("FedEXP.variant", "ldp_gaussian", "no local Gaussian noise covers the update",
                                   "add GaussianNoise(..., placement='local') or use another variant")
             self._sigma = m.noise_multiplier * m.sensitivity  # each client's noise std
-        if self._mode == "ldp_privunit" and not any(m.source == "PrivUnitRandomizer" and UPDATE in m.covers
+        if self.variant == "ldp_privunit" and not any(m.source == "PrivUnitRandomizer" and UPDATE in m.covers
                                                     for m in ctx.mechanisms):
             raise ConfigError("FedEXP.variant", "ldp_privunit", "no PrivUnitRandomizer sends the clients' norm "
                               "estimates (norm_sq_estimate) that the step size needs",
                               "add PrivUnitRandomizer(eps0, eps1, eps2) with UpdateClipping(C) before FedEXP, use "
                               "the preset LDPFedEXP(randomizer='privunit'), or use another variant")
-        if self._mode == "cdp":
+        if self.variant == "cdp":
             self._xi_std = self._xi_std_on_sum(ctx)
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
@@ -136,7 +135,7 @@ class FedEXP(FederatedCallback):
     def value_bound(self, *, segment: str, bound: float | None) -> float | None:
         if segment != "norm_sq":
             return bound
-        if self._bound is not None and self._mode in ("cdp", "plain"):
+        if self._bound is not None and self.variant in ("cdp", "plain"):
             return self._bound() ** 2
         return None  # a noised update's squared norm has no useful bound: kept rows, two-pass sum
 
@@ -147,7 +146,7 @@ class FedEXP(FederatedCallback):
             client.payload["norm_sq"].fill_(float(torch.linalg.vector_norm(u, dtype=torch.float64)) ** 2)
 
     def on_aggregate(self, *, server) -> None:
-        if self._mode == "cdp":  # xi on the sum of squared norms: a central Gaussian release
+        if self.variant == "cdp":  # xi on the sum of squared norms: a central Gaussian release
             stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, XI_NOISE)
             stream.add_normal_(server.aggregate["norm_sq"], self._xi_std)
 
@@ -156,13 +155,13 @@ class FedEXP(FederatedCallback):
         agg, c_bar = server.aggregate, server.update
         n = agg.denominator
         denom = float(torch.linalg.vector_norm(c_bar, dtype=torch.float64)) ** 2
-        if self._mode == "ldp_privunit":
+        if self.variant == "ldp_privunit":
             numerator = agg.scalar("norm_sq_estimate") / n
-        elif self._mode == "ldp_gaussian":
+        elif self.variant == "ldp_gaussian":
             numerator = agg.scalar("norm_sq") / n - self._d * self._sigma**2
         else:
             numerator = agg.scalar("norm_sq") / n  # cdp: xi is in the sum already
-        if self._mode == "plain":
+        if self.variant == "plain":
             k = 2.0 if self.half else 1.0
             return max(1.0, numerator / (k * (denom + self.eps))) if denom + self.eps > 0 else 1.0
         return max(1.0, numerator / denom) if denom > 0 else 1.0

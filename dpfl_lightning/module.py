@@ -162,6 +162,19 @@ def _as_scheduler(item: Any, monitor: str | None = None) -> LRSchedulerConfig:
     return cfg
 
 
+_CLOSURE_ONCE: dict[type, bool] = {}
+
+
+def _closure_runs_once(optimizer: torch.optim.Optimizer) -> bool:
+    """True for torch's own optimizers whose ``step(closure)`` is ``closure()`` then ``step()``
+    (all but L-BFGS, which re-evaluates the closure); other optimizers get the closure."""
+    cls = type(optimizer)
+    once = _CLOSURE_ONCE.get(cls)
+    if once is None:
+        once = _CLOSURE_ONCE[cls] = cls.__module__.startswith("torch.optim.") and not issubclass(cls, torch.optim.LBFGS)
+    return once
+
+
 def optimizer_steps_per_round(batches: int, batches_per_epoch: int, accumulate: int) -> int:
     """Optimizer steps of ``batches`` local batches taken in passes of ``batches_per_epoch``, when every
     ``accumulate``-th batch of a pass, and the last one, step (Lightning's accumulation rule)."""
@@ -196,7 +209,22 @@ class _Strategy:
 
     def __init__(self, fm: FederatedLightningModule) -> None:
         self._fm = fm
-        self._lightning_optimizers: list[LightningOptimizer] = []
+        self._wrapped: list[LightningOptimizer] | None = None
+
+    @property
+    def _lightning_optimizers(self) -> list[LightningOptimizer]:
+        """What ``self.optimizers()`` returns: the client's optimizers as ``LightningOptimizer``, built
+        on first use (building one creates a class, ~10-40 us, which most clients never need)."""
+        if self._wrapped is None:
+            self._wrapped = []
+            for o in self._fm._shim.optimizers:
+                lo = LightningOptimizer(o)
+                lo._strategy = self
+                self._wrapped.append(lo)
+        return self._wrapped
+
+    def reset_optimizers(self) -> None:
+        self._wrapped = None
 
     @property
     def lightning_module(self) -> nn.Module:
@@ -578,11 +606,10 @@ class FederatedLightningModule:
                     sub.__dict__.pop("log", None)
                     sub.__dict__.pop("log_dict", None)
             m._param_requires_grad_state = {}
-            m._fabric_optimizers = []
             self._attached = False
         self._shim.optimizers = []
         self._shim.lr_scheduler_configs = []
-        self._shim.strategy._lightning_optimizers = []
+        self._shim.strategy.reset_optimizers()
         self._cursors = {}
 
     @property
@@ -745,32 +772,37 @@ class FederatedLightningModule:
                                   "batch", "step each optimizer at most once per training_step")
         factor = self._lr_factor
         saved = [g["lr"] for g in optimizer.param_groups] if factor != 1.0 else None
+
+        def decay_lr() -> None:  # the client's lr decay applies to this step only
+            if saved is not None:
+                for g, lr in zip(optimizer.param_groups, saved):
+                    g["lr"] = lr * factor
+
         self._in_step = True
         try:
-            if self._scaler is None:
+            if self._scaler is not None:
+                out = closure()
+                self._scaler.unscale_(optimizer)
+                self._after_closure(optimizer)
+                if not self._automatic or out is not None:
+                    decay_lr()
+                    self._scaler.step(optimizer, **kwargs)
+                    self._scaler.update()
+            elif _closure_runs_once(optimizer):
+                with torch.enable_grad():  # what step(closure) does, without its closure plumbing
+                    out = closure()
+                self._after_closure(optimizer)
+                decay_lr()
+                optimizer.step(**kwargs)
+            else:
                 def wrapped() -> Any:
                     out = closure()
                     self._after_closure(optimizer)
-                    if saved is not None:
-                        for g, lr in zip(optimizer.param_groups, saved):
-                            g["lr"] = lr * factor
+                    decay_lr()
                     return out
 
                 out = optimizer.step(closure=wrapped, **kwargs)
-                if not self._automatic:  # automatic optimization counts in the loop (also when a step is skipped)
-                    self._shim.global_step += 1
-                return out
-            out = closure()
-            scaler = self._scaler
-            scaler.unscale_(optimizer)
-            self._after_closure(optimizer)
-            if not self._automatic or out is not None:
-                if saved is not None:
-                    for g, lr in zip(optimizer.param_groups, saved):
-                        g["lr"] = lr * factor
-                scaler.step(optimizer, **kwargs)
-                scaler.update()
-            if not self._automatic:
+            if not self._automatic:  # automatic optimization counts in the loop (also when a step is skipped)
                 self._shim.global_step += 1
             return out
         finally:
@@ -832,13 +864,7 @@ class FederatedLightningModule:
         step_scheds = [c for c in scheds if c.interval == "step" and not c.reduce_on_plateau] if automatic else []
         shim.optimizers = opts
         shim.lr_scheduler_configs = scheds
-        lopts = []
-        for o in opts:
-            lo = LightningOptimizer(o)
-            lo._strategy = shim.strategy
-            lopts.append(lo)
-        shim.strategy._lightning_optimizers = lopts
-        m._fabric_optimizers = lopts
+        shim.strategy.reset_optimizers()
         self._before_step = before_optimizer_step
         self._lr_factor = lr_factor
         handles = []
@@ -878,7 +904,7 @@ class FederatedLightningModule:
                         ends = (batch_idx + 1) % k == 0 or batch_idx + 1 == per_epoch or steps + 1 == total
                     if ends:
                         if ov["optimizer_step"]:
-                            m.optimizer_step(round_idx, batch_idx, lopts[0], closure)
+                            m.optimizer_step(round_idx, batch_idx, shim.strategy._lightning_optimizers[0], closure)
                         else:
                             self._optimizer_step(opts[0], closure)
                         shim.global_step += 1
@@ -913,8 +939,7 @@ class FederatedLightningModule:
             shim.is_last_batch = False
             shim.optimizers = []
             shim.lr_scheduler_configs = []
-            shim.strategy._lightning_optimizers = []
-            m._fabric_optimizers = []
+            shim.strategy.reset_optimizers()
             self._before_step = None
             self._lr_factor = 1.0
         return ClientRun(steps=steps, samples=samples, lr=lr)

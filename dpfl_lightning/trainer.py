@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
 from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning import placement
 from dpfl_lightning.aggregation import PayloadAggregator
 from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, make_communicator
@@ -191,8 +192,24 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ public helpers
     def owner(self, client: int) -> int:
-        """The rank that trains ``client`` and keeps its state."""
-        return client % self.world_size
+        """The rank that keeps ``client``'s per-client state (see :mod:`dpfl_lightning.placement`)."""
+        return placement.owner(client, self.world_size)
+
+    @property
+    def keeps_client_state(self) -> bool:
+        """Whether a plugin keeps per-client state across rounds (clients then train where it lives)."""
+        return any(p.keeps_client_state for p in self.plugins)
+
+    def my_clients(self, plan: RoundPlan) -> list[int]:
+        """The clients of ``plan`` this rank trains: by id where per-client state lives, else a
+        placement that balances the ranks' local steps (see :mod:`dpfl_lightning.placement`)."""
+        size, rank = self.world_size, self.rank
+        if size == 1:
+            return list(plan.cohort)
+        if self.keeps_client_state:
+            return [c for c in plan.cohort if self.owner(c) == rank]
+        work = [plan.steps_for(self.data.client_num_samples(c)) for c in plan.cohort]
+        return placement.balanced(list(plan.cohort), work, size)[rank]
 
     @property
     def world_size(self) -> int:
@@ -263,6 +280,7 @@ class FederatedTrainer:
         self._hooks = {h: [p for p in self.plugins if getattr(type(p), h) is not getattr(FederatedCallback, h)]
                        for h in HOOKS}
         self._bounders = [p for p in self.plugins if type(p).value_bound is not FederatedCallback.value_bound]
+        self._keeps_state = self.keeps_client_state
         self.executor.setup(module, data, [type(p).__name__ for p in
                                            self._hooks["on_before_optimizer_step"] + self._hooks["wrap_optimizer"]])
         self.aggregator = PayloadAggregator(run.layout, run.device, self.exact_aggregation)
@@ -336,7 +354,7 @@ class FederatedTrainer:
     def _round(self, plan: RoundPlan, server: ServerContext) -> dict[str, float]:
         t0 = time.perf_counter()
         run, module, comm = self.run, self.module, self.comm
-        mine = [c for c in plan.cohort if self.owner(c) == comm.rank]
+        mine = self.my_clients(plan)
         server.my_clients = mine
         run.current_plan = plan
         self.aggregator.start(len(plan.cohort), self._value_bounds())
@@ -437,6 +455,11 @@ class FederatedTrainer:
         if self.normalize_update_by_lr:
             ctx.payload["update"].div_(client_run.lr)
         self.call_hook("on_client_end", client=ctx)
+        if ctx.state and not self._keeps_state:
+            raise ConfigError("plugins", sorted(ctx.state), "a plugin wrote client.state (per-client state kept across "
+                              "rounds) but none declares keeps_client_state = True, so the client could train on "
+                              "another rank next round, without its state",
+                              "set keeps_client_state = True on the plugin class that keeps it")
         # NaN/inf survive clipping, normalization and noise, so one check after the plugins catches
         # a non-finite raw update as well as a non-finite processed one; a segment whose norm a
         # bounding plugin found finite is not checked again (noise adds finite values).

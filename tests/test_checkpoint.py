@@ -16,6 +16,8 @@ from helpers import TinyClassifier, quiet_trainer, tiny_data
 class Participation(FederatedCallback):
     """Per-client state: how often each client trained (lives with the client, not the rank)."""
 
+    keeps_client_state = True
+
     def on_client_end(self, *, client):
         state = client.state
         state["n"] = state.get("n", 0) + 1

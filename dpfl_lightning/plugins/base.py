@@ -21,7 +21,8 @@ never the trainer. Set-up hooks declare what a plugin adds to a run: the payload
 it logs (:meth:`released_metrics`). State a plugin keeps across rounds goes in :meth:`state_dict`;
 checkpoints store it under :attr:`state_key`, so adding or removing a stateless plugin does not
 break a resume. Per-client state goes in ``client.state`` (it lives with the client, on the rank
-that trains it, and is checkpointed by client id).
+that trains it, and is checkpointed by client id); a plugin that keeps it sets
+``keeps_client_state = True`` (see :mod:`dpfl_lightning.placement`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class FederatedCallback:
     """Base class of plugins. Every hook is a no-op; override the ones you need."""
 
     order: int = 500
+    #: True when the plugin keeps state in ``client.state`` across rounds: every client then trains
+    #: on the rank that keeps its state (``client % ranks``) instead of a balanced placement.
+    keeps_client_state: bool = False
 
     @property
     def state_key(self) -> str:

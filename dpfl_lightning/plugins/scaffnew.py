@@ -57,6 +57,7 @@ class ScaffNew(FederatedCallback):
     """
 
     order = ORDER_ADD_NOISE + 50  # its on_client_end reads the noisy D_i
+    keeps_client_state = True  # h_i
 
     def __init__(self, p: float, max_local_steps: int | None = None) -> None:
         require(isinstance(p, (int, float)) and 0 < p <= 1, "ScaffNew.p", p, "must be in (0, 1]",

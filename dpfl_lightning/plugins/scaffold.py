@@ -92,6 +92,7 @@ class SCAFFOLD(FederatedCallback):
     """
 
     order = ORDER_LOCAL_TRAINING + 1  # after DP-SGD: its optimizer is the one wrapped
+    keeps_client_state = True  # c_i
 
     def __init__(self, warm_start: bool = False, warm_start_rounds: int | None = None) -> None:
         require(warm_start_rounds is None or warm_start_rounds >= 1, "SCAFFOLD.warm_start_rounds", warm_start_rounds,

@@ -12,6 +12,8 @@ from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 
 class Participation(FederatedCallback):
+    keeps_client_state = True
+
     def on_client_end(self, *, client):
         state = client.state
         state["n"] = state.get("n", 0) + 1
@@ -106,3 +108,40 @@ def test_ranks_start_from_rank_zeros_initial_model(shared_tmp, comm):
     two = fit(os.path.join(shared_tmp, "init2"), "auto", init_seed=comm.Get_rank())  # different inits per rank
     one = fit(os.path.join(shared_tmp, f"init1-{comm.Get_rank()}"), "local", init_seed=0)
     assert torch.equal(two.global_params, one.global_params)
+
+
+def test_stateless_clients_are_placed_by_work_and_give_the_bits_of_one_rank(shared_tmp, comm):
+    """Without per-client state the ranks split every cohort by local steps (placement.balanced):
+    the busier rank's steps stay within one client of an even split, and the model is the same."""
+    from dpfl_lightning import FederatedDataModule
+
+    sizes = [4 + (7 * c) % 29 for c in range(16)]  # 4 to 32 records: 1 to 8 batches of 4
+    starts = [sum(sizes[:c]) for c in range(16)]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(sum(sizes), 10, generator=g), torch.randint(0, 3, (sum(sizes),), generator=g)
+    data = FederatedDataModule.from_tensors(x, y, client_indices=[range(s, s + n) for s, n in zip(starts, sizes)])
+
+    class Loads(FederatedCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_aggregate(self, *, server):
+            self.steps.append(sum(server.plan.steps_for(sizes[c]) for c in server.my_clients))
+            by_id = [c for c in server.plan.cohort if c % 2 == comm.Get_rank()]
+            self.placed_by_id = getattr(self, "placed_by_id", 0) + (server.my_clients == by_id)
+
+    def fit(log_dir, communicator):
+        loads = Loads()
+        trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=9, communicator=communicator, seed=3,
+                                plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.4), loads])
+        return trainer, trainer.fit(TinyClassifier(), data), loads
+
+    two, m2, loads = fit(os.path.join(shared_tmp, "placed2"), "auto")
+    one, m1, ref = fit(os.path.join(shared_tmp, f"placed1-{comm.Get_rank()}"), "local")
+    assert torch.equal(m2.global_params, m1.global_params)
+    mine, everyone = loads.steps, ref.steps
+    assert loads.placed_by_id < 4  # not (only) client % ranks
+    other = comm.allgather(mine)[1 - comm.Get_rank()]
+    for r, total in enumerate(everyone):
+        assert mine[r] + other[r] == total
+        assert abs(mine[r] - other[r]) <= 8  # within one client's steps (the largest has 8)

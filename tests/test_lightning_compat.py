@@ -920,3 +920,31 @@ def test_on_train_batch_end_gets_lightnings_outputs(log_dir, as_dict, accumulate
     quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=8, local_steps=2,
                   accumulate_grad_batches=accumulate).fit(ours, data)
     assert ours.seen == ref.seen
+
+
+class LbfgsClassifier(TinyClassifier):
+    """L-BFGS re-evaluates the closure within one step: it must get the closure, as under Lightning."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+
+def test_an_optimizer_that_reevaluates_the_closure_gets_it(log_dir):
+    data = tiny_data(num_clients=1, samples=12)
+    fed = LbfgsClassifier()
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=12, exact_aggregation=False)
+    trainer.fit(fed, data)
+    x, y = data.in_memory_tensors
+    ref = LbfgsClassifier()
+    _lightning_trainer().fit(ref, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=12))
+    assert fed.calls == ref.calls > 1  # one optimizer step, several closure evaluations
+    for a, b in zip(fed.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

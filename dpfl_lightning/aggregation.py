@@ -10,8 +10,8 @@ keeps every partial sum a multiple of ``2^L`` below ``2^(L + 53)`` even if value
 256-fold. Each value is scaled by ``2^-L`` (exact: a power of two) and rounded to an integer (ties to
 even: a function of the value alone); the integers are summed in float64, exactly, so the sum does
 not depend on the order or on how clients are split over ranks; the total is scaled back by
-``2^L``. Three passes over a row: scale (reading float32), round, add. The rounding error is at most ``2^(L - 1) <= B n 2^-42`` per value:
-for 1000 clients ``2.3e-10 B``, far below float32's resolution of the bound (``6e-8 B``).
+``2^L``. Three passes over a row: scale and round in float32 (both exact there), add in float64.
+The rounding error is at most ``2^(L - 1) <= B n 2^-42`` per value: for 1000 clients ``2.3e-10 B``, far below float32's resolution of the bound (``6e-8 B``).
 
 A segment with no declared bound (FedAvg without clipping, raw statistics) falls back to the
 two-pass method of :class:`~dpfl_lightning.comm.ExactSum` (its rows are kept for the round, then a
@@ -32,7 +32,7 @@ from dpfl_lightning.payload import PayloadLayout
 
 HEADROOM_BITS = 8
 STAGE_BYTES = 16 << 20  # rows staged before a fold: a few clients at once, at most 16 MiB
-FOLD_COLUMNS = 1 << 20  # columns rounded per pass: float64 scratch of at most 8 MiB per staged row
+FOLD_COLUMNS = 1 << 20  # columns rounded per pass: float32 scratch of at most 4 MiB per staged row
 
 
 class PayloadAggregator:
@@ -50,10 +50,16 @@ class PayloadAggregator:
         self._stage_views = [layout.views(r) for r in self._stage]
         self._staged = 0
         self._acc = torch.zeros(layout.size, dtype=torch.float64, device=device)
-        self._tmp = torch.zeros(capacity, min(layout.size, FOLD_COLUMNS), dtype=torch.float64, device=device)
+        self._tmp = torch.zeros(capacity, min(layout.size, FOLD_COLUMNS), device=device)
         self.checked = [s.name for s in layout.segments if s.source != "control"]  # the trainer's own flags are finite
         self.streamed: list[str] = []
         self.kept: list[str] = []
+
+    def _tmp64(self) -> torch.Tensor:
+        """float64 scratch, for a grid whose power of two float32 cannot hold (bounds below ~1e-30)."""
+        if self._tmp.dtype != torch.float64:
+            self._tmp = self._tmp.double()
+        return self._tmp
 
     def start(self, cohort_size: int, bounds: dict[str, float | None]) -> None:
         """A new round of ``cohort_size`` clients (all ranks), with the declared value bounds."""
@@ -120,15 +126,20 @@ class PayloadAggregator:
             width = self._tmp.shape[1]
             for a, b, L in self._scales:
                 scale = 2.0**-L
+                # A float32 value times a power of two within float32's normal range is exact in
+                # float32, and so is its rounding (below 2^23 the integer fits; above, the value
+                # is one already): the same integers as in float64, with half the memory traffic.
+                # The integers are summed in float64, where they stay exact.
+                tmp = self._tmp if -126 < -L < 127 else self._tmp64()
                 for lo in range(a, b, width):
                     hi = min(lo + width, b)
-                    tmp = self._tmp[:k, : hi - lo]
-                    if -126 < -L < 127 or rows.dtype == torch.float64:
-                        torch.mul(rows[:, lo:hi], scale, out=tmp)
+                    part = tmp[:k, : hi - lo]
+                    if part.dtype == rows.dtype:
+                        torch.mul(rows[:, lo:hi], scale, out=part)
                     else:
-                        tmp.copy_(rows[:, lo:hi]).mul_(scale)
-                    tmp.round_()
-                    self._acc[lo:hi].add_(tmp.sum(0) if k > 1 else tmp[0])
+                        part.copy_(rows[:, lo:hi]).mul_(scale)
+                    part.round_()
+                    self._acc[lo:hi].add_(part.sum(0, dtype=torch.float64) if k > 1 else part[0])
             for name, parts in self._kept_rows.items():
                 a, b = self.layout.offsets[name]
                 parts.append(rows[:, a:b].clone())

@@ -120,3 +120,40 @@ def test_a_sum_beyond_the_exact_range_across_ranks_is_refused_on_every_rank():
         agg.fold()
     with pytest.raises(NonFiniteUpdateError, match="'update'.*value_bound"):
         agg.reduce(FourIdenticalRanks())
+
+
+@pytest.mark.parametrize("bound", [1.0, 1e-33])  # a float32 grid scale, and one float32 cannot hold
+def test_streamed_sum_is_the_exact_sum_of_values_rounded_to_the_grid(bound):
+    # What the grid promises, computed with Python's exact rationals: every value rounded to the
+    # nearest multiple of 2^L (ties to even), then summed. Values sit on ties, far below the grid
+    # and far above (where float32 spacing exceeds the grid), for staged and single-row folds.
+    from fractions import Fraction
+
+    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.comm.exact_sum import grid_exponent
+
+    class OneRank(Communicator):
+        def allreduce_sum_(self, tensor):
+            return tensor
+
+    layout = PayloadLayout([Segment("update", 64)])
+    n = 9
+    L = grid_exponent(bound, n, HEADROOM_BITS)
+    g = torch.Generator().manual_seed(3)
+    ties = (torch.randint(-2**20, 2**20, (n, 16), generator=g) + 0.5) * 2.0**L  # k + 1/2 grid units
+    tiny = torch.randn(n, 16, generator=g) * 2.0 ** (L - 30)
+    usual = torch.randn(n, 16, generator=g) * bound / 8
+    huge = torch.randn(n, 16, generator=g) * bound * 200  # 200x the bound: within the headroom
+    rows = torch.cat([ties, tiny, usual, huge], dim=1).float()
+    agg = PayloadAggregator(layout, torch.device("cpu"))
+    agg.start(n, {"update": bound})
+    for k in range(n):
+        agg.client_views()
+        agg.update_out.copy_(rows[k])
+        agg.fold()
+        if k == 0:
+            agg._flush()  # one row folded alone, the rest staged together
+    total = agg.reduce(OneRank())["update"]
+    unit = Fraction(2) ** L
+    expect = [sum(round(Fraction(float(rows[k, j])) / unit) for k in range(n)) * unit for j in range(64)]
+    assert [Fraction(float(v)) for v in total] == expect

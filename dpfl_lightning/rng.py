@@ -242,21 +242,26 @@ class HashStream(Stream):
         self._block += 1
         self._pos = 0
 
-    def uniform(self, n: int) -> torch.Tensor:
-        out = np.empty(n, dtype=np.float64)
+    def _words(self, n: int) -> np.ndarray:
+        """The next ``n`` 53-bit integers of the stream (64-bit words, top 53 bits)."""
+        out = np.empty(n, dtype=np.uint64)
         filled = 0
         while filled < n:
             if self._pos >= len(self._buf):
                 self._refill()
             take = min(n - filled, (len(self._buf) - self._pos) // 8)
             words = np.frombuffer(self._buf, dtype="<u8", count=take, offset=self._pos)
-            np.multiply(words >> np.uint64(11), 2.0**-53, out=out[filled : filled + take])  # 53-bit uniforms
+            np.right_shift(words, np.uint64(11), out=out[filled : filled + take])
             self._pos += 8 * take
             filled += take
-        return torch.from_numpy(out)
+        return out
+
+    def uniform(self, n: int) -> torch.Tensor:
+        return torch.from_numpy(self._words(n) * 2.0**-53)  # 53-bit uniforms in [0, 1), exact in float64
 
     def randperm(self, n: int) -> torch.Tensor:
-        return torch.argsort(self.uniform(n), stable=True)
+        # the stable argsort of the uniforms, taken on their 53-bit integers (the same order)
+        return torch.from_numpy(np.argsort(self._words(n), kind="stable"))
 
 
 class SecureStream(HashStream):

@@ -242,7 +242,7 @@ class HashStream(Stream):
         self._block += 1
         self._pos = 0
 
-    def _words(self, n: int) -> np.ndarray:
+    def words(self, n: int) -> np.ndarray:
         """The next ``n`` 53-bit integers of the stream (64-bit words, top 53 bits)."""
         out = np.empty(n, dtype=np.uint64)
         filled = 0
@@ -257,11 +257,11 @@ class HashStream(Stream):
         return out
 
     def uniform(self, n: int) -> torch.Tensor:
-        return torch.from_numpy(self._words(n) * 2.0**-53)  # 53-bit uniforms in [0, 1), exact in float64
+        return torch.from_numpy(self.words(n) * 2.0**-53)  # 53-bit uniforms in [0, 1), exact in float64
 
     def randperm(self, n: int) -> torch.Tensor:
         # the stable argsort of the uniforms, taken on their 53-bit integers (the same order)
-        return torch.from_numpy(np.argsort(self._words(n), kind="stable"))
+        return torch.from_numpy(np.argsort(self.words(n), kind="stable"))
 
 
 class SecureStream(HashStream):

@@ -6,6 +6,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 from torchmetrics import Metric
@@ -170,12 +171,12 @@ class VmapExecutor(Executor):
         idx = torch.stack([data.client_indices(c) for c in clients])  # [clients, n]
         if bs >= n:
             return idx.repeat(1, passes), bs, steps
-        # A client's shuffles are argsorts of its DATA stream's successive uniforms (HashStream.randperm,
-        # as client_batches draws them pass after pass): all clients' passes in one argsort.
+        # A client's shuffles are stable argsorts of its DATA stream's successive 53-bit integers
+        # (HashStream.randperm, as client_batches draws them pass after pass): all in one argsort.
         streams = [work.random.stream(plan.round_idx, c, rng.DATA) for c in clients]
         assert all(isinstance(s, rng.HashStream) for s in streams)
-        u = torch.stack([s.uniform(passes * n) for s in streams]).view(len(clients), passes, n)
-        perms = torch.argsort(u, dim=2, stable=True).to(idx.device)
+        words = np.stack([s.words(passes * n) for s in streams]).reshape(len(clients), passes, n)
+        perms = torch.from_numpy(np.argsort(words, axis=2, kind="stable")).to(idx.device)
         rows = torch.gather(idx.unsqueeze(1).expand(-1, passes, -1), 2, perms)
         return rows.reshape(len(clients), passes * n), bs, steps
 

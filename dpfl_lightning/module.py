@@ -175,6 +175,15 @@ def _closure_runs_once(optimizer: torch.optim.Optimizer) -> bool:
     return once
 
 
+def _with_grad(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with gradients enabled (entering ``torch.enable_grad()`` when they already are, as
+    in training, costs ~3 us per step)."""
+    if torch.is_grad_enabled():
+        return fn()
+    with torch.enable_grad():
+        return fn()
+
+
 def optimizer_steps_per_round(batches: int, batches_per_epoch: int, accumulate: int) -> int:
     """Optimizer steps of ``batches`` local batches taken in passes of ``batches_per_epoch``, when every
     ``accumulate``-th batch of a pass, and the last one, step (Lightning's accumulation rule)."""
@@ -789,8 +798,7 @@ class FederatedLightningModule:
                     self._scaler.step(optimizer, **kwargs)
                     self._scaler.update()
             elif _closure_runs_once(optimizer):
-                with torch.enable_grad():  # what step(closure) does, without its closure plumbing
-                    out = closure()
+                out = _with_grad(closure)  # what step(closure) does first, without its closure plumbing
                 self._after_closure(optimizer)
                 decay_lr()
                 optimizer.step(**kwargs)
@@ -1026,32 +1034,34 @@ class _Closure:
         self.mixed = fm._autocast is not None
 
     def __call__(self) -> torch.Tensor | None:
+        return _with_grad(self._run)
+
+    def _run(self) -> torch.Tensor | None:
         m, opt, ov = self.m, self.opt, self.ov
-        with torch.enable_grad():
-            if self.mixed:
-                with self.fm._forward_context():
-                    out = m.training_step(self.batch, self.batch_idx)
-            else:
+        if self.mixed:
+            with self.fm._forward_context():
                 out = m.training_step(self.batch, self.batch_idx)
-            self.output = out
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            if loss is not None and self.accumulate > 1:
-                loss = loss / self.accumulate
-            if self.zero:
-                if ov["on_before_zero_grad"]:
-                    m.on_before_zero_grad(opt)
-                if ov["optimizer_zero_grad"]:
-                    m.optimizer_zero_grad(self.round_idx, self.batch_idx, opt)
-                else:
-                    opt.zero_grad()
-            if loss is not None:
-                scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-                if ov["on_before_backward"]:
-                    m.on_before_backward(scaled)
-                if ov["backward"]:
-                    m.backward(scaled)
-                else:
-                    scaled.backward()
-                if ov["on_after_backward"]:
-                    m.on_after_backward()
+        else:
+            out = m.training_step(self.batch, self.batch_idx)
+        self.output = out
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if loss is not None and self.accumulate > 1:
+            loss = loss / self.accumulate
+        if self.zero:
+            if ov["on_before_zero_grad"]:
+                m.on_before_zero_grad(opt)
+            if ov["optimizer_zero_grad"]:
+                m.optimizer_zero_grad(self.round_idx, self.batch_idx, opt)
+            else:
+                opt.zero_grad()
+        if loss is not None:
+            scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+            if ov["on_before_backward"]:
+                m.on_before_backward(scaled)
+            if ov["backward"]:
+                m.backward(scaled)
+            else:
+                scaled.backward()
+            if ov["on_after_backward"]:
+                m.on_after_backward()
         return loss

@@ -948,3 +948,13 @@ def test_an_optimizer_that_reevaluates_the_closure_gets_it(log_dir):
     assert fed.calls == ref.calls > 1  # one optimizer step, several closure evaluations
     for a, b in zip(fed.parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_training_enables_gradients_when_fit_is_called_without_them(log_dir):
+    # The local step runs training_step and backward with gradients on, as optimizer.step(closure)
+    # does, even inside torch.no_grad() (where a plain backward would fail).
+    model = TinyClassifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(model, tiny_data())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -886,6 +886,10 @@ class FederatedLightningModule:
         ov = self._overridden
         custom_sched = ov["lr_scheduler_step"]
         closure = _Closure(self, opts[0], k) if automatic else None
+        # Lightning's default optimizer_step is optimizer.step(closure); for torch's single-closure
+        # optimizers without a GradScaler or lr decay, the same calls made here directly
+        direct = (automatic and not ov["optimizer_step"] and self._scaler is None and lr_factor == 1.0
+                  and _closure_runs_once(opts[0]))
         context = self._forward_context
         mixed = self._autocast is not None
         shim.training = True
@@ -911,7 +915,11 @@ class FederatedLightningModule:
                         closure.zero = batch_idx % k == 0
                         ends = (batch_idx + 1) % k == 0 or batch_idx + 1 == per_epoch or steps + 1 == total
                     if ends:
-                        if ov["optimizer_step"]:
+                        if direct:
+                            closure()
+                            self._after_closure(opts[0])
+                            opts[0].step()
+                        elif ov["optimizer_step"]:
                             m.optimizer_step(round_idx, batch_idx, shim.strategy._lightning_optimizers[0], closure)
                         else:
                             self._optimizer_step(opts[0], closure)

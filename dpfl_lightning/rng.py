@@ -298,6 +298,8 @@ class RandomSource:
             raise ValueError("the secret of secure mode must have at least 128 bits")
         self.seed = int(seed)
         self._secret = secret
+        self._prepared: dict[int, tuple[bytes, torch.Tensor]] = {}  # see prepare_torch
+        self._prepared_round = -1
 
     @property
     def secure(self) -> bool:
@@ -320,11 +322,22 @@ class RandomSource:
         """A torch generator for draws no guarantee relies on (shuffles, dropout)."""
         return torch_generator(self.key(round_idx, client, purpose), device)
 
+    def prepare_torch(self, round_idx: int, clients: list[int]) -> None:
+        """Compute the CPU generator states :meth:`seed_torch` sets for ``clients`` in one pass:
+        between clients each costs ~35 us (its code and tables are out of cache), together ~12 us."""
+        self._prepared = {c: (key, _mt_state(key)) for c in clients
+                          for key in (self.key(round_idx, c, CLIENT_TRAIN),)}
+        self._prepared_round = round_idx
+
     def seed_torch(self, round_idx: int, client: int, device: torch.device) -> None:
         """Set torch's global generators (CPU, and ``device``'s) for one client's local training
         (dropout masks and the like)."""
-        key = self.key(round_idx, client, CLIENT_TRAIN)
-        torch.default_generator.set_state(_mt_state(key))
+        ready = self._prepared.pop(client, None) if self._prepared_round == round_idx else None
+        if ready is None:
+            key = self.key(round_idx, client, CLIENT_TRAIN)
+            ready = key, _mt_state(key)
+        key, state = ready
+        torch.default_generator.set_state(state)
         if device.type == "cuda":
             g = torch.cuda.default_generators[device.index or 0]
             g.manual_seed(int.from_bytes(key[:8], "little"))

@@ -110,3 +110,33 @@ def test_successive_draws_of_a_stream_never_repeat_whatever_the_device(monkeypat
         stream.add_normal_(x, 1.0)
         stream.add_normal_(y, 1.0)
         assert not torch.equal(x, y)
+
+
+def test_local_training_randomness_is_keyed_by_round_and_client(log_dir):
+    """torch's global generator, which dropout and torch.rand in training_step draw from, is set for
+    every client from (seed, round, client) alone: whichever clients trained before it."""
+    from dpfl_lightning.plugins.base import FederatedCallback
+
+    seen = {}
+
+    class Current(FederatedCallback):
+        def on_client_start(self, *, client):
+            Draws.current = (client.round_idx, client.client)
+
+    class Draws(TinyClassifier):
+        current = None
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                seen[Draws.current] = torch.rand(3)
+            return super().training_step(batch, batch_idx)
+
+    # 40 clients a round: more than one batch of prepared generator states
+    quiet_trainer(log_dir, rounds=2, clients_per_round=40, seed=5, batch_size=12,
+                  plugins=[Current()]).fit(Draws(), tiny_data(num_clients=45))
+    assert len(seen) == 80
+    src = rng.RandomSource(5)
+    for (r, c), drawn in seen.items():
+        src.seed_torch(r, c, torch.device("cpu"))
+        assert torch.equal(torch.rand(3), drawn)
+    assert len({d.numpy().tobytes() for d in seen.values()}) == 80

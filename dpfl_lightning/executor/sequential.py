@@ -18,6 +18,8 @@ class SequentialExecutor(Executor):
     def train(self, work: RoundWork) -> Iterator:
         module, plan = work.module, work.plan
         for k, client in enumerate(work.clients):
+            if k % 32 == 0:
+                work.random.prepare_torch(plan.round_idx, work.clients[k : k + 32])
             module.load_global()
             ctx = work.open_client(client)
             work.random.seed_torch(plan.round_idx, client, module.device)

@@ -139,7 +139,9 @@ class PayloadAggregator:
                     else:
                         part.copy_(rows[:, lo:hi]).mul_(scale)
                     part.round_()
-                    self._acc[lo:hi].add_(part.sum(0, dtype=torch.float64) if k > 1 else part[0])
+                    acc = self._acc[lo:hi]
+                    for row in part:  # row by row: a float32-to-float64 sum(0) is 2-3x slower
+                        acc.add_(row)
             for name, parts in self._kept_rows.items():
                 a, b = self.layout.offsets[name]
                 parts.append(rows[:, a:b].clone())

@@ -45,6 +45,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
+from torch.optim import optimizer as _torch_optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from dpfl_lightning.errors import ConfigError
@@ -163,25 +164,36 @@ def _as_scheduler(item: Any, monitor: str | None = None) -> LRSchedulerConfig:
 
 
 _CLOSURE_ONCE: dict[type, bool] = {}
+_LR_SCHEDULER_WRAPPERS = ("_wrapped_by_lr_sched", "_with_counter")  # how torch's schedulers wrap opt.step
 
 
-def _closure_runs_once(optimizer: torch.optim.Optimizer) -> bool:
-    """True for torch's own optimizers whose ``step(closure)`` is ``closure()`` then ``step()``
-    (all but L-BFGS, which re-evaluates the closure); other optimizers get the closure."""
+def _steps_directly(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.step(closure)`` is ``closure()`` then ``step()`` with nothing in between,
+    so the loop may make the two calls itself: torch's own optimizers (all but L-BFGS, which
+    re-evaluates the closure), with no step pre-hooks (they run before the closure) and no ``step``
+    replaced on the instance (other than by an LR scheduler's counter). Otherwise the closure goes
+    through ``step``, as under Lightning."""
     cls = type(optimizer)
     once = _CLOSURE_ONCE.get(cls)
     if once is None:
         once = _CLOSURE_ONCE[cls] = cls.__module__.startswith("torch.optim.") and not issubclass(cls, torch.optim.LBFGS)
-    return once
+    if not once or getattr(optimizer, "_optimizer_step_pre_hooks", None) or _global_pre_hooks():
+        return False
+    own = optimizer.__dict__.get("step")
+    return own is None or any(hasattr(own, a) for a in _LR_SCHEDULER_WRAPPERS)
 
 
-def _with_grad(fn: Callable[[], Any]) -> Any:
-    """``fn()`` with gradients enabled (entering ``torch.enable_grad()`` when they already are, as
-    in training, costs ~3 us per step)."""
+def _global_pre_hooks() -> Any:
+    return getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
+
+
+def _with_grad(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with gradients enabled, as ``optimizer.step(closure)`` runs its closure
+    (entering ``torch.enable_grad()`` when they already are, as in training, costs ~3 us a step)."""
     if torch.is_grad_enabled():
-        return fn()
+        return fn(*args)
     with torch.enable_grad():
-        return fn()
+        return fn(*args)
 
 
 def optimizer_steps_per_round(batches: int, batches_per_epoch: int, accumulate: int) -> int:
@@ -771,6 +783,11 @@ class FederatedLightningModule:
                 self._shim.precision_plugin.clip_gradients(optimizer, loop.gradient_clip_val,
                                                            loop.gradient_clip_algorithm or "norm")
 
+    def _closure_and_hooks(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
+        out = closure()
+        self._after_closure(optimizer)
+        return out
+
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Every local optimizer step, automatic or manual (``LightningOptimizer.step`` lands here)."""
         if not self._automatic and getattr(optimizer, "clips_per_record", False):
@@ -797,9 +814,8 @@ class FederatedLightningModule:
                     decay_lr()
                     self._scaler.step(optimizer, **kwargs)
                     self._scaler.update()
-            elif _closure_runs_once(optimizer):
-                out = _with_grad(closure)  # what step(closure) does first, without its closure plumbing
-                self._after_closure(optimizer)
+            elif _steps_directly(optimizer):
+                out = _with_grad(self._closure_and_hooks, optimizer, closure)  # what step(closure) runs
                 decay_lr()
                 optimizer.step(**kwargs)
             else:
@@ -886,10 +902,10 @@ class FederatedLightningModule:
         ov = self._overridden
         custom_sched = ov["lr_scheduler_step"]
         closure = _Closure(self, opts[0], k) if automatic else None
-        # Lightning's default optimizer_step is optimizer.step(closure); for torch's single-closure
-        # optimizers without a GradScaler or lr decay, the same calls made here directly
-        direct = (automatic and not ov["optimizer_step"] and self._scaler is None and lr_factor == 1.0
-                  and _closure_runs_once(opts[0]))
+        # Lightning's default optimizer_step is optimizer.step(closure); without a GradScaler or lr
+        # decay, the loop makes the same calls itself where _steps_directly allows (checked each step:
+        # a hook may be registered during training)
+        direct = automatic and not ov["optimizer_step"] and self._scaler is None and lr_factor == 1.0
         context = self._forward_context
         mixed = self._autocast is not None
         shim.training = True
@@ -915,9 +931,8 @@ class FederatedLightningModule:
                         closure.zero = batch_idx % k == 0
                         ends = (batch_idx + 1) % k == 0 or batch_idx + 1 == per_epoch or steps + 1 == total
                     if ends:
-                        if direct:
-                            closure()
-                            self._after_closure(opts[0])
+                        if direct and _steps_directly(opts[0]):
+                            _with_grad(self._closure_and_hooks, opts[0], closure)
                             opts[0].step()
                         elif ov["optimizer_step"]:
                             m.optimizer_step(round_idx, batch_idx, shim.strategy._lightning_optimizers[0], closure)

@@ -135,3 +135,21 @@ def test_npz_file(tmp_path):
     assert d.num_clients == 5 and d.has_test_set
     with pytest.raises(ConfigError, match="data.path"):
         NpzFile(str(tmp_path / "missing.npz"))
+
+
+def test_client_batches_keep_the_layout_of_the_stored_tensors():
+    # a channels_last image tensor gives channels_last batches, as indexing it would (a contiguous
+    # copy can change a convolution's gradients in the last bits)
+    from dpfl_lightning import FederatedDataModule, rng
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, 4, 4, generator=g).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 3, (24,), generator=g)
+    data = FederatedDataModule.from_tensors(x, y, client_indices=[range(0, 12), range(12, 24)])
+    data.setup()
+    stored = data.in_memory_tensors[0]
+    assert stored.is_contiguous(memory_format=torch.channels_last)
+    stream = rng.RandomSource(0).stream(0, 1, rng.DATA)
+    for _, _, (xb, yb) in data.client_batches(1, 5, epochs=1, stream=stream):
+        assert xb.stride() == stored.stride()  # channels_last: (48, 1, 12, 3)
+        assert yb.is_contiguous()

@@ -13,6 +13,8 @@ Shuffling uses the generator the trainer passes in, keyed by (seed, round, clien
 
 from __future__ import annotations
 
+from functools import partial
+
 import math
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
@@ -390,6 +392,9 @@ class FederatedDataModule:
         shuffle = bs < n
         step = epoch = 0
         tensors = self._train_tensors
+        # index_select is t[sel] for a contiguous t (~1 us cheaper); t[sel] keeps another layout
+        # (channels_last images), which can change a convolution's results in the last bits
+        gathers = [partial(t.index_select, 0) if t.is_contiguous() else t.__getitem__ for t in tensors or ()]
         on_cpu = idx.device.type == "cpu"
         while True:
             if tensors is not None:
@@ -400,7 +405,7 @@ class FederatedDataModule:
                     order = idx
                 for b in range(per_epoch):
                     sel = order[b * bs : (b + 1) * bs]
-                    yield epoch, b, tuple([t.index_select(0, sel) for t in tensors])  # t[sel], ~1 us cheaper
+                    yield epoch, b, tuple([take(sel) for take in gathers])
                     step += 1
                     if steps is not None and step >= steps:
                         return

@@ -50,7 +50,7 @@ class PayloadAggregator:
         self._stage_views = [layout.views(r) for r in self._stage]
         self._staged = 0
         self._acc = torch.zeros(layout.size, dtype=torch.float64, device=device)
-        self._tmp = torch.zeros(capacity, min(layout.size, FOLD_COLUMNS), device=device)
+        self._tmp = torch.zeros(capacity, min(layout.size, FOLD_COLUMNS), dtype=self._stage.dtype, device=device)
         self.checked = [s.name for s in layout.segments if s.source != "control"]  # the trainer's own flags are finite
         self.streamed: list[str] = []
         self.kept: list[str] = []

@@ -6,8 +6,11 @@ average, where 25 is the even share (11% longer rounds). So, when no plugin keep
 every rank computes the same balanced placement from the round's public plan: each client's work
 is its local steps, and the clients go, most work first, to the least loaded rank (longest
 processing time first; with equal work this deals the cohort out in turn, at most one client apart).
-Placement does not change results: every client's randomness is keyed by (seed, round, client), and
-the exact aggregation does not depend on which rank adds what.
+Placement does not change the model: every client's randomness is keyed by (seed, round, client), and
+the exact aggregation does not depend on which rank adds what. What is summed in floating point
+instead can differ in its last bits between placements (and rank counts): the aggregation with
+``exact_aggregation=False``, the merged training metrics, and the vectorised executor's batched
+kernels where they do not compute every client's slice independently.
 
 Plugins that keep state in ``client.state`` across rounds (SCAFFOLD's ``c_i``, ScaffNew's ``h_i``)
 declare ``keeps_client_state = True``; a client then always trains on rank ``client % ranks``, where

@@ -261,7 +261,7 @@ class HashStream(Stream):
 
     def randperm(self, n: int) -> torch.Tensor:
         # the stable argsort of the uniforms, taken on their 53-bit integers (the same order)
-        return torch.from_numpy(np.argsort(self.words(n), kind="stable"))
+        return torch.from_numpy(np.argsort(self.words(n), kind="stable").astype(np.int64, copy=False))
 
 
 class SecureStream(HashStream):

@@ -206,7 +206,7 @@ class FederatedTrainer:
         size, rank = self.world_size, self.rank
         if size == 1:
             return list(plan.cohort)
-        if self.keeps_client_state:
+        if self._keeps_state:
             return [c for c in plan.cohort if self.owner(c) == rank]
         work = [plan.steps_for(self.data.client_num_samples(c)) for c in plan.cohort]
         return placement.balanced(list(plan.cohort), work, size)[rank]
@@ -383,6 +383,8 @@ class FederatedTrainer:
                 raise NonFiniteUpdateError(f"round {plan.round_idx + 1}: the aggregated update is not finite; nothing "
                                            "was applied. Fix: check the noise settings and the client learning rate")
             self.call_hook("on_server_update", server=server)
+        if not self._keeps_state:
+            self._refuse_undeclared_state(mine)
 
         metrics = self._tagged({"round": plan.round_idx + 1}, "public")
         self._kinds["clients"] = "public" if run.sampler.cohort_size_is_public else "unaccounted"
@@ -405,6 +407,16 @@ class FederatedTrainer:
         self.round_times.append(time.perf_counter() - t0)
         metrics.update(self._tagged({"round_time_s": self.round_times[-1]}, "unaccounted"))
         return metrics
+
+    def _refuse_undeclared_state(self, clients: list[int]) -> None:
+        """Per-client state written (in a client's hooks or by the server) while no plugin declares
+        ``keeps_client_state``: the client may train on another rank next round, without it."""
+        written = next((self.client_states[c] for c in clients if self.client_states.get(c)), None)
+        if written:
+            raise ConfigError("plugins", sorted(map(str, written)), "a plugin wrote client.state (per-client state "
+                              "kept across rounds) but none declares keeps_client_state = True, so the client could "
+                              "train on another rank next round, without its state",
+                              "set keeps_client_state = True on the plugin class that keeps it")
 
     def _open_client(self, client: int) -> ClientContext:
         run = self.run
@@ -455,11 +467,6 @@ class FederatedTrainer:
         if self.normalize_update_by_lr:
             ctx.payload["update"].div_(client_run.lr)
         self.call_hook("on_client_end", client=ctx)
-        if ctx.state and not self._keeps_state:
-            raise ConfigError("plugins", sorted(ctx.state), "a plugin wrote client.state (per-client state kept across "
-                              "rounds) but none declares keeps_client_state = True, so the client could train on "
-                              "another rank next round, without its state",
-                              "set keeps_client_state = True on the plugin class that keeps it")
         # NaN/inf survive clipping, normalization and noise, so one check after the plugins catches
         # a non-finite raw update as well as a non-finite processed one; a segment whose norm a
         # bounding plugin found finite is not checked again (noise adds finite values).
@@ -651,5 +658,9 @@ class FederatedTrainer:
         module.load_global()
         self.client_states = {c: move_data_to_device(s, self.run.device)  # checkpoints load on the CPU
                               for c, s in state["client_states"].items() if self.owner(c) == self.rank}
+        if self.client_states and not self._keeps_state:
+            warnings.warn("resume: the checkpoint holds per-client state, but no plugin of this run keeps any "
+                          "(keeps_client_state); it is dropped", RuntimeWarning, stacklevel=2)
+            self.client_states = {}
         self.history = list(state.get("history", []))
         return int(state["round"])

@@ -70,3 +70,31 @@ def test_a_plugin_that_keeps_undeclared_client_state_is_refused(tmp_path):
     trainer = quiet_trainer(str(tmp_path / "ok"), rounds=2, clients_per_round=2, plugins=[DeclaredCounts()])
     trainer.fit(TinyClassifier(), tiny_data())
     assert sum(s["n"] for s in trainer.client_states.values()) == 4
+
+
+def test_state_the_server_writes_for_its_clients_is_refused_too(tmp_path):
+    class ServerSide(FederatedCallback):
+        def on_server_update(self, *, server):
+            for c in server.my_clients:
+                server.client_state(c)["seen"] = True
+
+    with pytest.raises(ConfigError, match="keeps_client_state"):
+        quiet_trainer(str(tmp_path), rounds=1, clients_per_round=2, plugins=[ServerSide()]).fit(TinyClassifier(), tiny_data())
+
+
+def test_a_checkpoints_client_state_without_a_plugin_that_keeps_it_is_dropped_on_resume(tmp_path):
+    import os
+
+    class Counts(FederatedCallback):
+        keeps_client_state = True
+
+        def on_client_end(self, *, client):
+            client.state["n"] = client.state.get("n", 0) + 1
+
+    first = quiet_trainer(str(tmp_path / "a"), rounds=2, clients_per_round=3, plugins=[Counts()], checkpoint_every=1)
+    first.fit(TinyClassifier(), tiny_data())
+    ckpt = os.path.join(first.checkpoint_dir, "round-000001.ckpt")
+    resumed = quiet_trainer(str(tmp_path / "b"), rounds=2, clients_per_round=3)
+    with pytest.warns(RuntimeWarning, match="per-client state.*dropped"):
+        resumed.fit(TinyClassifier(), tiny_data(), ckpt_path=ckpt)
+    assert not any(resumed.client_states.values())

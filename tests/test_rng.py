@@ -140,3 +140,13 @@ def test_local_training_randomness_is_keyed_by_round_and_client(log_dir):
         src.seed_torch(r, c, torch.device("cpu"))
         assert torch.equal(torch.rand(3), drawn)
     assert len({d.numpy().tobytes() for d in seen.values()}) == 80
+
+
+def test_prepared_generator_states_serve_only_their_round():
+    src, fresh = rng.RandomSource(5), rng.RandomSource(5)
+    src.prepare_torch(3, [5, 6])
+    for r in (4, 3):  # another round first: computed on the spot, not the prepared state of round 3
+        src.seed_torch(r, 5, torch.device("cpu"))
+        got = torch.rand(4)
+        fresh.seed_torch(r, 5, torch.device("cpu"))
+        assert torch.equal(got, torch.rand(4))

@@ -176,7 +176,7 @@ class VmapExecutor(Executor):
         streams = [work.random.stream(plan.round_idx, c, rng.DATA) for c in clients]
         assert all(isinstance(s, rng.HashStream) for s in streams)
         words = np.stack([s.words(passes * n) for s in streams]).reshape(len(clients), passes, n)
-        perms = torch.from_numpy(np.argsort(words, axis=2, kind="stable")).to(idx.device)
+        perms = torch.from_numpy(np.argsort(words, axis=2, kind="stable").astype(np.int64, copy=False)).to(idx.device)
         rows = torch.gather(idx.unsqueeze(1).expand(-1, passes, -1), 2, perms)
         return rows.reshape(len(clients), passes * n), bs, steps
 

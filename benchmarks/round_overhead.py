@@ -15,7 +15,11 @@ at most half the cores as threads; the hand loop is one process); the vectorised
 ``--threads`` torch threads. Rounds after a warm-up; the table reports the median round and its
 ratio to the hand-written loop of the same workload, measured in the same run.
 
-    python benchmarks/round_overhead.py [--rounds 12] [--threads 1] [--workloads W1,W2] [--repeats 3]
+``--interleave`` adds rows where each 1-rank framework round (sequential and vmap) is followed, in
+the same process, by a round of the matching hand-written loop, and reports the median of the
+per-round ratios: the machine's drift hits both alike.
+
+    python benchmarks/round_overhead.py [--rounds 12] [--threads 1] [--workloads W1,W2] [--repeats 3] [--interleave]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,7 @@ import lightning as L
 from dpfl_lightning import FederatedTrainer
 from dpfl_lightning.data import SyntheticLogistic
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from dpfl_lightning.plugins.base import FederatedCallback
 from dpfl_lightning.run_setup import available_cpus
 from dpfl_lightning import FederatedDataModule
 
@@ -95,6 +101,12 @@ def clip_and_add(total: list[torch.Tensor], params: list[torch.Tensor], global_w
 
 
 def hand_written_rounds(data, workload: str, rounds: int, seed: int) -> list[float]:
+    loop = hand_loop(data, workload, seed)
+    return [next(loop) for _ in range(rounds)]
+
+
+def hand_loop(data, workload: str, seed: int) -> Iterator[float]:
+    """The hand-written rounds, one per ``next()``, each returning its seconds."""
     x, y = data.in_memory_tensors
     client_idx = data._train_idx
     torch.manual_seed(seed)
@@ -102,8 +114,7 @@ def hand_written_rounds(data, workload: str, rounds: int, seed: int) -> list[flo
     params = list(net.parameters())
     global_w = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(seed)
-    times = []
-    for _ in range(rounds):
+    while True:
         t0 = time.perf_counter()
         cohort = torch.randperm(M, generator=g)[:M_ROUND].tolist()
         total = [torch.zeros_like(w) for w in global_w]
@@ -123,11 +134,15 @@ def hand_written_rounds(data, workload: str, rounds: int, seed: int) -> list[flo
         with torch.no_grad():
             for w, t in zip(global_w, total):
                 w.add_((t + Z * CLIP * torch.randn(t.shape, generator=g)) / M_ROUND)
-        times.append(time.perf_counter() - t0)
-    return times
+        yield time.perf_counter() - t0
 
 
 def hand_written_vmap_rounds(data, workload: str, rounds: int, seed: int) -> list[float]:
+    loop = hand_vmap_loop(data, workload, seed)
+    return [next(loop) for _ in range(rounds)]
+
+
+def hand_vmap_loop(data, workload: str, seed: int) -> Iterator[float]:
     """The same round with the cohort trained together: ``vmap(grad)`` over stacked parameters."""
     x, y = data.in_memory_tensors
     client_idx = torch.stack(data._train_idx)
@@ -141,8 +156,7 @@ def hand_written_vmap_rounds(data, workload: str, rounds: int, seed: int) -> lis
 
     grad = torch.func.vmap(torch.func.grad(loss))
     g = torch.Generator().manual_seed(seed)
-    times = []
-    for _ in range(rounds):
+    while True:
         t0 = time.perf_counter()
         cohort = torch.randperm(M, generator=g)[:M_ROUND]
         params = {n: w.unsqueeze(0).repeat(M_ROUND, *([1] * w.dim())) for n, w in global_w.items()}
@@ -160,14 +174,37 @@ def hand_written_vmap_rounds(data, workload: str, rounds: int, seed: int) -> lis
             for n in names:
                 s = (delta[n] * factor.view(-1, *([1] * (delta[n].dim() - 1)))).sum(0)
                 global_w[n].add_((s + Z * CLIP * torch.randn(s.shape, generator=g)) / M_ROUND)
-        times.append(time.perf_counter() - t0)
-    return times
+        yield time.perf_counter() - t0
+
+
+class Interleaved(FederatedCallback):
+    """Runs one round of a hand-written loop after every framework round (the last plugin), so the
+    two are timed back to back on the same machine state."""
+
+    order = 10**6
+
+    def __init__(self, loop: Iterator[float]) -> None:
+        self.loop, self.times = loop, []
+
+    def on_round_end(self, *, server, metrics) -> None:
+        self.times.append(next(self.loop))
+
+
+def interleaved_ratios(data, workload: str, rounds: int, executor: str = "sequential") -> tuple[float, float, list[float]]:
+    """Median seconds of the framework's rounds and of the hand loop's rounds run right after each,
+    and every round's ratio (the first rounds and the last, which evaluates, left out)."""
+    hand = Interleaved((hand_loop if executor == "sequential" else hand_vmap_loop)(data, workload, 0))
+    fw = framework_rounds(data, workload, rounds + 3, 0, executor, plugins=[hand])  # minus the last round
+    own = [f - h for f, h in zip(fw, hand.times)][2:]  # a round's time includes the hand round after it
+    ratios = [f / h for f, h in zip(own, hand.times[2:])]
+    return statistics.median(own), statistics.median(hand.times[2:]), ratios
 
 
 def framework_rounds(data, workload: str, rounds: int, seed: int, executor: str = "sequential",
-                     communicator: str = "auto") -> list[float]:
+                     communicator: str = "auto", plugins: list | None = None) -> list[float]:
     trainer = FederatedTrainer(rounds=rounds, clients_per_round=M_ROUND, local_epochs=1, batch_size=BATCH,
-                               plugins=[UpdateClipping(CLIP), GaussianNoise(noise_multiplier=Z, placement="central")],
+                               plugins=[UpdateClipping(CLIP), GaussianNoise(noise_multiplier=Z, placement="central")]
+                               + list(plugins or []),
                                eval_every=10**9, seed=seed, log_dir=tempfile.mkdtemp(), enable_progress_bar=False,
                                enable_summary=False, executor=executor, communicator=communicator,
                                num_threads=torch.get_num_threads())
@@ -190,6 +227,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", type=str, default="W1,W2")
     ap.add_argument("--repeats", type=int, default=1, help="measure every row this many times, in turn")
+    ap.add_argument("--interleave", action="store_true",
+                    help="also time every 1-rank framework round against a hand round run right after it")
     ap.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -220,6 +259,23 @@ def main() -> None:
             if args.repeats > 1:
                 line += f"{min(ratios):>8.3f}-{max(ratios):.3f}"
             print(line)
+        if args.interleave:
+            print_interleaved(data, workload, args.rounds)
+
+
+def print_interleaved(data, workload: str, rounds: int) -> None:
+    """Rows where each framework round is followed by a hand round (ratio: the median over rounds,
+    range: the middle half of the rounds' ratios): a drifting machine slows both alike."""
+    for executor in ("sequential", "vmap"):
+        try:
+            fw, hand, ratios = interleaved_ratios(data, workload, rounds, executor)
+        except Exception as exc:  # noqa: BLE001 - the table says why
+            print(f"{workload:<9}{executor}, interleaved: refused ({type(exc).__name__})")
+            continue
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        name = 'dpfl 1 rank : hand, interleaved' if executor == 'sequential' else 'dpfl vmap : hand vmap, interleaved'
+        print(f"{workload:<9}{name:<34}{fw:>10.4f}{statistics.median(ratios):>13.3f}{q1:>8.3f}-{q3:.3f}"
+              f"   (hand {hand:.4f} s)")
 
 
 def one_pass(data, workload: str, rounds: int, threads: int) -> dict[str, float]:

@@ -226,3 +226,26 @@ def test_vmap_refuses_a_training_step_that_stops_local_training(log_dir):
     with pytest.raises(ConfigError, match="should_stop.*sequential"):
         trainer.fit(StopsEarly(), tiny_data())
     quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=4).fit(StopsEarly(), tiny_data())  # sequential: fine
+
+
+def test_the_run_freezes_its_set_up_objects_for_the_gc_and_unfreezes_them_after(log_dir):
+    import gc
+
+    from dpfl_lightning.plugins.base import FederatedCallback
+
+    seen = []
+
+    class Frozen(FederatedCallback):
+        def before_round(self, *, plan, server):
+            seen.append(gc.get_freeze_count())
+
+    assert gc.get_freeze_count() == 0
+    quiet_trainer(log_dir, rounds=2, clients_per_round=2, plugins=[Frozen()]).fit(TinyClassifier(), tiny_data())
+    assert min(seen) > 10_000 and gc.get_freeze_count() == 0
+    gc.freeze()  # a process that froze its own objects keeps them frozen
+    try:
+        before = gc.get_freeze_count()
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(TinyClassifier(), tiny_data())
+        assert gc.get_freeze_count() >= 0.9 * before  # not unfrozen (a few of its objects may go)
+    finally:
+        gc.unfreeze()

@@ -11,7 +11,8 @@ keeps every partial sum a multiple of ``2^L`` below ``2^(L + 53)`` even if value
 even: a function of the value alone); the integers are summed in float64, exactly, so the sum does
 not depend on the order or on how clients are split over ranks; the total is scaled back by
 ``2^L``. Three passes over a row: scale and round in float32 (both exact there), add in float64.
-The rounding error is at most ``2^(L - 1) <= B n 2^-42`` per value: for 1000 clients ``2.3e-10 B``, far below float32's resolution of the bound (``6e-8 B``).
+The rounding error is at most ``2^(L - 1) <= B n 2^-42`` per value: for 1000 clients
+``2.3e-10 B``, far below float32's resolution of the bound (``6e-8 B``).
 
 A segment with no declared bound (FedAvg without clipping, raw statistics) falls back to the
 two-pass method of :class:`~dpfl_lightning.comm.ExactSum` (its rows are kept for the round, then a

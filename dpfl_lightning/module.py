@@ -902,10 +902,6 @@ class FederatedLightningModule:
         ov = self._overridden
         custom_sched = ov["lr_scheduler_step"]
         closure = _Closure(self, opts[0], k) if automatic else None
-        # Lightning's default optimizer_step is optimizer.step(closure); without a GradScaler or lr
-        # decay, the loop makes the same calls itself where _steps_directly allows (checked each step:
-        # a hook may be registered during training)
-        direct = automatic and not ov["optimizer_step"] and self._scaler is None and lr_factor == 1.0
         context = self._forward_context
         mixed = self._autocast is not None
         shim.training = True
@@ -931,10 +927,7 @@ class FederatedLightningModule:
                         closure.zero = batch_idx % k == 0
                         ends = (batch_idx + 1) % k == 0 or batch_idx + 1 == per_epoch or steps + 1 == total
                     if ends:
-                        if direct and _steps_directly(opts[0]):
-                            _with_grad(self._closure_and_hooks, opts[0], closure)
-                            opts[0].step()
-                        elif ov["optimizer_step"]:
+                        if ov["optimizer_step"]:
                             m.optimizer_step(round_idx, batch_idx, shim.strategy._lightning_optimizers[0], closure)
                         else:
                             self._optimizer_step(opts[0], closure)

@@ -196,11 +196,6 @@ class FederatedTrainer:
         """The rank that keeps ``client``'s per-client state (see :mod:`dpfl_lightning.placement`)."""
         return placement.owner(client, self.world_size)
 
-    @property
-    def keeps_client_state(self) -> bool:
-        """Whether a plugin keeps per-client state across rounds (clients then train where it lives)."""
-        return any(p.keeps_client_state for p in self.plugins)
-
     def my_clients(self, plan: RoundPlan) -> list[int]:
         """The clients of ``plan`` this rank trains: by id where per-client state lives, else a
         placement that balances the ranks' local steps (see :mod:`dpfl_lightning.placement`)."""
@@ -281,7 +276,7 @@ class FederatedTrainer:
         self._hooks = {h: [p for p in self.plugins if getattr(type(p), h) is not getattr(FederatedCallback, h)]
                        for h in HOOKS}
         self._bounders = [p for p in self.plugins if type(p).value_bound is not FederatedCallback.value_bound]
-        self._keeps_state = self.keeps_client_state
+        self._keeps_state = any(p.keeps_client_state for p in self.plugins)  # clients train where it lives
         self.executor.setup(module, data, [type(p).__name__ for p in
                                            self._hooks["on_before_optimizer_step"] + self._hooks["wrap_optimizer"]])
         self.aggregator = PayloadAggregator(run.layout, run.device, self.exact_aggregation)

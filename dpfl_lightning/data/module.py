@@ -13,10 +13,9 @@ Shuffling uses the generator the trainer passes in, keyed by (seed, round, clien
 
 from __future__ import annotations
 
-from functools import partial
-
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np

@@ -45,9 +45,9 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
-from torch.optim import optimizer as _torch_optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from dpfl_lightning import optimizer_calls
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.logged_metrics import LoggedMetrics
 
@@ -161,30 +161,6 @@ def _as_scheduler(item: Any, monitor: str | None = None) -> LRSchedulerConfig:
         raise ConfigError("model.configure_optimizers", "interval='step'", f"{name} steps once per round, on a metric "
                           "the round releases, not inside a client", "set interval='epoch'")
     return cfg
-
-
-_CLOSURE_ONCE: dict[type, bool] = {}
-_LR_SCHEDULER_WRAPPERS = ("_wrapped_by_lr_sched", "_with_counter")  # how torch's schedulers wrap opt.step
-
-
-def _steps_directly(optimizer: torch.optim.Optimizer) -> bool:
-    """True when ``optimizer.step(closure)`` is ``closure()`` then ``step()`` with nothing in between,
-    so the loop may make the two calls itself: torch's own optimizers (all but L-BFGS, which
-    re-evaluates the closure), with no step pre-hooks (they run before the closure) and no ``step``
-    replaced on the instance (other than by an LR scheduler's counter). Otherwise the closure goes
-    through ``step``, as under Lightning."""
-    cls = type(optimizer)
-    once = _CLOSURE_ONCE.get(cls)
-    if once is None:
-        once = _CLOSURE_ONCE[cls] = cls.__module__.startswith("torch.optim.") and not issubclass(cls, torch.optim.LBFGS)
-    if not once or getattr(optimizer, "_optimizer_step_pre_hooks", None) or _global_pre_hooks():
-        return False
-    own = optimizer.__dict__.get("step")
-    return own is None or any(hasattr(own, a) for a in _LR_SCHEDULER_WRAPPERS)
-
-
-def _global_pre_hooks() -> Any:
-    return getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
 
 
 def _with_grad(fn: Callable[..., Any], *args: Any) -> Any:
@@ -814,10 +790,10 @@ class FederatedLightningModule:
                     decay_lr()
                     self._scaler.step(optimizer, **kwargs)
                     self._scaler.update()
-            elif _steps_directly(optimizer):
+            elif not kwargs and optimizer_calls.steps_directly(optimizer):
                 out = _with_grad(self._closure_and_hooks, optimizer, closure)  # what step(closure) runs
                 decay_lr()
-                optimizer.step(**kwargs)
+                optimizer_calls.step(optimizer)
             else:
                 def wrapped() -> Any:
                     out = closure()
@@ -1070,7 +1046,7 @@ class _Closure:
             if ov["optimizer_zero_grad"]:
                 m.optimizer_zero_grad(self.round_idx, self.batch_idx, opt)
             else:
-                opt.zero_grad()
+                optimizer_calls.zero_grad(opt)
         if loss is not None:
             scaled = self.scaler.scale(loss) if self.scaler is not None else loss
             if ov["on_before_backward"]:

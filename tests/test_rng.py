@@ -3,6 +3,8 @@
 torch's CPU ``manual_seed`` keeps 32 bits of a seed, so keyed streams used to collide after ~2^16
 keys (the birthday bound); these tests fail on a generator seeded that way."""
 
+import numpy as np
+import pytest
 import torch
 
 from dpfl_lightning import rng
@@ -150,3 +152,14 @@ def test_prepared_generator_states_serve_only_their_round():
         got = torch.rand(4)
         fresh.seed_torch(r, 5, torch.device("cpu"))
         assert torch.equal(got, torch.rand(4))
+
+
+@pytest.mark.parametrize("n", [0, 1, 50, 64, 65, 192, 193, 5000])
+def test_first_words_of_many_streams_are_each_streams_own_words(n):
+    # the vectorised executor draws every client's shuffle words at once: across the doubling
+    # block boundaries (64 words, then 128 more ...) they must be what each stream gives alone
+    source = rng.RandomSource(seed=2**70 + 3)
+    keys = [source.key(4, c, rng.DATA) for c in (0, 1, 999)]
+    together = rng.HashStream.first_words(keys, n)
+    alone = np.stack([source.stream(4, c, rng.DATA).words(n) for c in (0, 1, 999)])
+    assert together.dtype == alone.dtype and np.array_equal(together, alone)

@@ -118,6 +118,8 @@ class VmapExecutor(Executor):
         self._group_hparams = [{k: v for k, v in g.items() if k != "params"} for g in opts[0].param_groups]
         self._step = _TrainingStep(m)
         self._names = [n for n, _ in self._step.named_parameters()]
+        # functional_call looks for tied parameters on every call unless told there are none
+        self._tied = len(list(self._step.named_parameters(remove_duplicate=False))) > len(self._names)
         self._params = module.parameter_list
         self._shapes = [p.shape for p in self._params]
         self._slices = module.parameter_slices
@@ -145,7 +147,7 @@ class VmapExecutor(Executor):
 
     def _loss(self, params: dict[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = tuple(t.unsqueeze(0) if t.dim() == 0 else t for t in batch) if isinstance(batch, tuple) else batch
-        loss, logged = torch.func.functional_call(self._step, params, (batch,))
+        loss, logged = torch.func.functional_call(self._step, params, (batch,), tie_weights=self._tied)
         return loss, logged
 
     def train(self, work: RoundWork) -> Iterator:
@@ -172,9 +174,9 @@ class VmapExecutor(Executor):
             return idx.repeat(1, passes), bs, steps
         # A client's shuffles are stable argsorts of its DATA stream's successive 53-bit integers
         # (HashStream.randperm, as client_batches draws them pass after pass): all in one argsort.
-        streams = [work.random.stream(plan.round_idx, c, rng.DATA) for c in clients]
-        assert all(isinstance(s, rng.HashStream) for s in streams)
-        words = np.stack([s.words(passes * n) for s in streams]).reshape(len(clients), passes, n)
+        keys = [work.random.key(plan.round_idx, c, rng.DATA) for c in clients]
+        assert isinstance(work.random.stream(plan.round_idx, clients[0], rng.DATA), rng.HashStream)
+        words = rng.HashStream.first_words(keys, passes * n).reshape(len(clients), passes, n)
         perms = torch.from_numpy(np.argsort(words, axis=2, kind="stable").astype(np.int64, copy=False)).to(idx.device)
         rows = torch.gather(idx.unsqueeze(1).expand(-1, passes, -1), 2, perms)
         return rows.reshape(len(clients), passes * n), bs, steps
@@ -243,6 +245,7 @@ class VmapExecutor(Executor):
             shim.training = False
             logged.step_level = False
         lr = float(groups[0]["lr"])
+        flat.sub_(module.global_params)  # every client's update, in one operation
         for j, k in enumerate(positions):
-            torch.sub(flat[j], module.global_params, out=work.out(k))
+            work.out(k).copy_(flat[j])
             yield k, contexts[j], ClientRun(steps=steps, samples=samples, lr=lr)

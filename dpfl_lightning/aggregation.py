@@ -104,6 +104,14 @@ class PayloadAggregator:
         after :meth:`fold`: keep a clone of anything needed later."""
         return self._stage_views[self._staged]
 
+    def update_rows(self, n: int) -> torch.Tensor | None:
+        """The update segments of the next ``n`` staged rows as one ``[n, d]`` view (the clients
+        finished next, in order, own them), or ``None`` if fewer than ``n`` rows are free before
+        the stage is folded."""
+        if self._staged + n > self._stage.shape[0]:
+            return None
+        return self._stage[self._staged : self._staged + n, : self.layout.offsets["update"][1]]
+
     @property
     def update_out(self) -> torch.Tensor:
         return self._stage_views[self._staged]["update"]

@@ -364,7 +364,7 @@ class FederatedTrainer:
         self.aggregator.start(len(plan.cohort), self._value_bounds())
         module.logged.reset()
         work = RoundWork(module, self.data, plan, mine, run.random, lambda k: self.aggregator.update_out,
-                         self._open_client, self._step_hook, self._optimizer_wrapper)
+                         self._open_client, self._step_hook, self._optimizer_wrapper, self.aggregator.update_rows)
         bad = [ctx.client for _, ctx, client_run in self.executor.train(work) if not self._finish_client(ctx, client_run)]
         train_logs = module.logged.results() if run.gathers_client_logs else None
 

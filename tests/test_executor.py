@@ -249,3 +249,24 @@ def test_the_run_freezes_its_set_up_objects_for_the_gc_and_unfreezes_them_after(
         assert gc.get_freeze_count() >= 0.9 * before  # not unfrozen (a few of its objects may go)
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("chunk_size, stage_rows", [(None, 64), (2, 64), (2, 3), (4, 3)])
+def test_vmap_trains_in_the_trainers_rows_when_free_and_copies_otherwise(log_dir, monkeypatch, chunk_size, stage_rows):
+    # A chunk that fits in the trainer's free staged rows trains in place there; one that does not
+    # (a stage of 3 rows: the second chunk of 2, or a chunk of 4) writes each update as the
+    # sequential executor does. Every case ends where the sequential executor ends.
+    from dpfl_lightning import aggregation
+    from dpfl_lightning.executor.vmap import VmapExecutor
+
+    def run(executor):
+        t = quiet_trainer(log_dir, rounds=2, clients_per_round=5, executor=executor,
+                          plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.5, placement="local")])
+        if executor == "vmap":
+            t.executor = VmapExecutor(chunk_size=chunk_size)
+        return t.fit(TinyClassifier(), tiny_data()).global_params.clone()
+
+    reference = run("sequential")
+    row_bytes = 4 * (reference.numel() + 64)  # the update and the few values of the other segments
+    monkeypatch.setattr(aggregation, "STAGE_BYTES", stage_rows * row_bytes)
+    assert torch.allclose(run("vmap"), reference, atol=1e-6)

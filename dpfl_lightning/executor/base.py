@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 @dataclass
 class RoundWork:
     """One round of one rank: train ``clients`` as ``plan`` says; the update of the ``k``-th client
-    (local model minus global model) goes into ``out(k)``."""
+    (local model minus global model) goes into ``out(k)``. An executor that computes several
+    clients' updates at once may ask ``out_rows(n)`` for one ``[n, d]`` tensor to write them into
+    instead: its ``j``-th row is then the update of the ``j``-th of the next ``n`` clients it yields
+    (``None`` when the trainer has no such block free; then ``out(k)`` per client)."""
 
     module: FederatedLightningModule
     data: FederatedDataModule
@@ -40,6 +43,7 @@ class RoundWork:
     open_client: Callable[[int], ClientContext]
     step_hook: Callable[[ClientContext], Callable[[torch.optim.Optimizer], None] | None]
     optimizer_wrapper: Callable[[ClientContext], Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None]
+    out_rows: Callable[[int], torch.Tensor | None] = lambda n: None
 
     def batches(self, client: int) -> Iterator[tuple[int, int, Any]]:
         """The client's ``(epoch, batch_idx, batch)`` stream under the plan: shuffles from the

@@ -186,7 +186,11 @@ class VmapExecutor(Executor):
         clients = [work.clients[k] for k in positions]
         n_clients = len(clients)
         contexts = [work.open_client(c) for c in clients]
-        flat = module.global_params.unsqueeze(0).repeat(n_clients, 1)  # every client starts at the global model
+        # every client starts at the global model; trained in place in the trainer's rows when it has
+        # them free (each row then already holds its client's update, no copy)
+        block = work.out_rows(n_clients)
+        flat = block if block is not None else module.global_params.new_empty(n_clients, module.global_params.numel())
+        flat.copy_(module.global_params.expand(n_clients, -1))
         params = [flat[:, o : o + size].view(n_clients, *shape) for (o, size), shape in zip(self._slices, self._shapes)]
         groups = [dict(h, params=[], lr=h["lr"] * plan.lr_factor) for h in self._group_hparams]
         names: list[list[str]] = [[] for _ in groups]
@@ -247,5 +251,6 @@ class VmapExecutor(Executor):
         lr = float(groups[0]["lr"])
         flat.sub_(module.global_params)  # every client's update, in one operation
         for j, k in enumerate(positions):
-            work.out(k).copy_(flat[j])
+            if block is None:
+                work.out(k).copy_(flat[j])
             yield k, contexts[j], ClientRun(steps=steps, samples=samples, lr=lr)

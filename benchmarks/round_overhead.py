@@ -8,7 +8,9 @@ replacement), 1 local epoch of batch 10 on 50 samples per client, SGD lr 0.1, up
 - W2: CNN conv5-32, pool, conv5-64, pool, fc 1600-512-10 (0.88M parameters) on 3x32x32 inputs.
 
 Rows: the hand-written loop (sample, copy the global weights in, a fresh SGD per client, shuffled
-batches, the update, clipping, summing, one noise draw, the global step); the framework with one
+batches, the update, clipping, summing, one noise draw, the global step); the same loop with the
+SGD step written out (no ``torch.optim`` bookkeeping, which the framework skips for plain SGD too:
+the fairest baseline for the per-step overhead); the framework with one
 rank; the framework with two MPI ranks (``mpiexec -n 2``, launched by this script, each rank with
 at most half the cores as threads; the hand loop is one process); the vectorised executor
 (``executor="vmap"``); a hand-written ``torch.func.vmap`` loop. Every other process uses
@@ -100,13 +102,15 @@ def clip_and_add(total: list[torch.Tensor], params: list[torch.Tensor], global_w
         t.add_(d, alpha=factor)
 
 
-def hand_written_rounds(data, workload: str, rounds: int, seed: int) -> list[float]:
-    loop = hand_loop(data, workload, seed)
+def hand_written_rounds(data, workload: str, rounds: int, seed: int, inline_sgd: bool = False) -> list[float]:
+    loop = hand_loop(data, workload, seed, inline_sgd)
     return [next(loop) for _ in range(rounds)]
 
 
-def hand_loop(data, workload: str, seed: int) -> Iterator[float]:
-    """The hand-written rounds, one per ``next()``, each returning its seconds."""
+def hand_loop(data, workload: str, seed: int, inline_sgd: bool = False) -> Iterator[float]:
+    """The hand-written rounds, one per ``next()``, each returning its seconds. ``inline_sgd``: the
+    SGD step written out (``grad = None``, backward, ``p -= lr * grad``) instead of
+    ``torch.optim.SGD``'s ``zero_grad`` and ``step``, which the framework also skips for plain SGD."""
     x, y = data.in_memory_tensors
     client_idx = data._train_idx
     torch.manual_seed(seed)
@@ -122,14 +126,22 @@ def hand_loop(data, workload: str, seed: int) -> Iterator[float]:
             with torch.no_grad():
                 for p, w in zip(params, global_w):
                     p.copy_(w)
-            opt = torch.optim.SGD(params, lr=LR)
+            opt = None if inline_sgd else torch.optim.SGD(params, lr=LR)
             idx = client_idx[c][torch.randperm(SAMPLES, generator=g)]
             for i in range(0, SAMPLES, BATCH):
                 sel = idx[i : i + BATCH]
                 loss = F.cross_entropy(net(x[sel]), y[sel])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                if opt is None:
+                    for p in params:
+                        p.grad = None
+                    loss.backward()
+                    with torch.no_grad():
+                        for p in params:
+                            p.add_(p.grad, alpha=-LR)
+                else:
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
             clip_and_add(total, params, global_w, CLIP)
         with torch.no_grad():
             for w, t in zip(global_w, total):
@@ -190,10 +202,12 @@ class Interleaved(FederatedCallback):
         self.times.append(next(self.loop))
 
 
-def interleaved_ratios(data, workload: str, rounds: int, executor: str = "sequential") -> tuple[float, float, list[float]]:
+def interleaved_ratios(data, workload: str, rounds: int, executor: str = "sequential",
+                       inline_sgd: bool = False) -> tuple[float, float, list[float]]:
     """Median seconds of the framework's rounds and of the hand loop's rounds run right after each,
     and every round's ratio (the first rounds and the last, which evaluates, left out)."""
-    hand = Interleaved((hand_loop if executor == "sequential" else hand_vmap_loop)(data, workload, 0))
+    loop = hand_loop(data, workload, 0, inline_sgd) if executor == "sequential" else hand_vmap_loop(data, workload, 0)
+    hand = Interleaved(loop)
     fw = framework_rounds(data, workload, rounds + 3, 0, executor, plugins=[hand])  # minus the last round
     own = [f - h for f, h in zip(fw, hand.times)][2:]  # a round's time includes the hand round after it
     ratios = [f / h for f, h in zip(own, hand.times[2:])]
@@ -266,14 +280,16 @@ def main() -> None:
 def print_interleaved(data, workload: str, rounds: int) -> None:
     """Rows where each framework round is followed by a hand round (ratio: the median over rounds,
     range: the middle half of the rounds' ratios): a drifting machine slows both alike."""
-    for executor in ("sequential", "vmap"):
+    names = {("sequential", False): "dpfl 1 rank : hand, interleaved",
+             ("sequential", True): "dpfl 1 rank : hand inline SGD, intl.",
+             ("vmap", False): "dpfl vmap : hand vmap, interleaved"}
+    for (executor, inline_sgd), name in names.items():
         try:
-            fw, hand, ratios = interleaved_ratios(data, workload, rounds, executor)
+            fw, hand, ratios = interleaved_ratios(data, workload, rounds, executor, inline_sgd)
         except Exception as exc:  # noqa: BLE001 - the table says why
             print(f"{workload:<9}{executor}, interleaved: refused ({type(exc).__name__})")
             continue
         q1, _, q3 = statistics.quantiles(ratios, n=4)
-        name = 'dpfl 1 rank : hand, interleaved' if executor == 'sequential' else 'dpfl vmap : hand vmap, interleaved'
         print(f"{workload:<9}{name:<34}{fw:>10.4f}{statistics.median(ratios):>13.3f}{q1:>8.3f}-{q3:.3f}"
               f"   (hand {hand:.4f} s)")
 
@@ -282,6 +298,7 @@ def one_pass(data, workload: str, rounds: int, threads: int) -> dict[str, float]
     """Every row once: the median seconds per round of each."""
     rows = {}
     rows["hand-written loop"] = statistics.median(hand_written_rounds(data, workload, rounds, 0))
+    rows["hand loop, SGD step inline"] = statistics.median(hand_written_rounds(data, workload, rounds, 0, inline_sgd=True))
     rows["dpfl_lightning, 1 rank"] = statistics.median(framework_rounds(data, workload, rounds + 2, 0)[1:])
     # two ranks share the cores: more threads than cores / 2 per rank would oversubscribe them
     per_rank = max(1, min(threads, available_cpus() // 2))

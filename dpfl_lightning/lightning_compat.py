@@ -103,6 +103,14 @@ parameter storage holding the final global model, no trainer attached, Lightning
   ``devices`` / ``strategy`` -> ``mpiexec`` ranks, ``check_val_every_n_epoch`` -> ``eval_every``,
   ``logger`` -> ``loggers``, ``enable_checkpointing`` -> ``checkpoint_every``.
 
+**The optimizer's own calls.** ``optimizer.step(closure)`` of torch's optimizers (all but L-BFGS,
+with no step pre-hooks) is the closure and then ``optimizer.step()``; for plain
+``torch.optim.SGD`` on CPU (no momentum, weight decay, ``maximize``, ``foreach``, ``fused``,
+``differentiable``; no step hooks) that step is ``p -= lr * grad`` computed by the loop, and torch's
+own ``zero_grad`` is ``grad = None`` (see :mod:`dpfl_lightning.optimizer_calls`): the same
+parameters, bit for bit, and an LR scheduler still sees the step; what differs is that a torch
+profile has no ``Optimizer.step#SGD.step`` / ``Optimizer.zero_grad#SGD.zero_grad`` ranges.
+
 **DataModules** (:meth:`FederatedDataModule.from_datamodule`): the train set is split over clients;
 validation runs on ``val_dataloader`` (its batch size, ``collate_fn`` and sampler) when the
 DataModule has one, else on the test set; the final test on ``test_dataloader`` (else the validation

@@ -14,6 +14,7 @@ Everything else goes through the optimizer's own methods, as under ``lightning.T
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -28,8 +29,27 @@ def _unhooked(method: Any) -> Any:
     return method.__wrapped__ if getattr(method, "hooked", False) else method
 
 
-_SGD_STEP = _unhooked(torch.optim.SGD.step)
 _ZERO_GRAD = torch.optim.Optimizer.zero_grad
+_OPTIMIZER_FILE = _torch_optimizer.__file__
+_SGD_FILE = sys.modules[torch.optim.SGD.__module__].__file__
+
+
+def _is_torch_sgd_step(method: Any) -> bool:
+    """Whether a class's ``step`` is torch's own ``SGD.step`` (its ``_use_grad`` wrapper around the
+    function in ``torch/optim/sgd.py``), not a replacement, however early it was patched."""
+    fn = _unhooked(method)
+    inner = getattr(fn, "__wrapped__", None)
+    code, inner_code = getattr(fn, "__code__", None), getattr(inner, "__code__", None)
+    return (code is not None and inner_code is not None and code.co_filename == _OPTIMIZER_FILE
+            and inner_code.co_filename == _SGD_FILE and inner_code.co_name == "step")
+
+
+def _scheduler_wrapper_only(optimizer: torch.optim.Optimizer) -> bool:
+    """No ``step`` on the instance, or only an LR scheduler's counter around the class's own
+    ``step`` (a scheduler wraps whatever ``step`` was there, a user's replacement too)."""
+    own = optimizer.__dict__.get("step")
+    return own is None or (any(hasattr(own, a) for a in _LR_SCHEDULER_WRAPPERS)
+                           and getattr(own, "__wrapped__", None) is type(optimizer).step)
 
 
 def _global_hooks(kind: str) -> Any:
@@ -40,23 +60,22 @@ def steps_directly(optimizer: torch.optim.Optimizer) -> bool:
     """True when ``optimizer.step(closure)`` is ``closure()`` then ``step()`` with nothing in between,
     so the loop may make the two calls itself: torch's own optimizers (all but L-BFGS, which
     re-evaluates the closure), with no step pre-hooks (they run before the closure) and no ``step``
-    replaced on the instance (other than by an LR scheduler's counter). Otherwise the closure goes
-    through ``step``, as under Lightning."""
+    replaced on the instance (other than by an LR scheduler's counter around the class's own
+    ``step``). Otherwise the closure goes through ``step``, as under Lightning."""
     cls = type(optimizer)
     once = _CLOSURE_ONCE.get(cls)
     if once is None:
         once = _CLOSURE_ONCE[cls] = cls.__module__.startswith("torch.optim.") and not issubclass(cls, torch.optim.LBFGS)
     if not once or getattr(optimizer, "_optimizer_step_pre_hooks", None) or _global_hooks("pre"):
         return False
-    own = optimizer.__dict__.get("step")
-    return own is None or any(hasattr(own, a) for a in _LR_SCHEDULER_WRAPPERS)
+    return _scheduler_wrapper_only(optimizer)
 
 
 def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     """``torch.optim.SGD`` itself whose update is ``p -= lr * grad`` in every group: no momentum,
     weight decay, ``maximize``, ``differentiable``, ``foreach`` or ``fused``, and a number for ``lr``."""
-    if type(optimizer) is not torch.optim.SGD:
-        return False
+    if type(optimizer) is not torch.optim.SGD or optimizer.defaults.get("differentiable"):
+        return False  # (a differentiable default turns gradients on in step, whatever the groups say)
     for g in optimizer.param_groups:
         if (g["momentum"] or g["weight_decay"] or g["maximize"] or g["differentiable"] or g["foreach"]
                 or g["fused"] or type(g["lr"]) not in (float, int)):
@@ -65,10 +84,7 @@ def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _on_cpu(optimizer: torch.optim.Optimizer) -> bool:
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            return p.is_cpu  # a module's parameters share one device
-    return True
+    return all(p.is_cpu for g in optimizer.param_groups for p in g["params"])
 
 
 def step(optimizer: torch.optim.Optimizer) -> None:
@@ -79,9 +95,9 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     (``_single_tensor_sgd``), in the same order. An LR scheduler's wrapper only records that the
     optimizer stepped; that is recorded here too."""
     own = optimizer.__dict__.get("step")
-    if (not plain_sgd(optimizer) or _unhooked(type(optimizer).step) is not _SGD_STEP
+    if (not plain_sgd(optimizer) or not _is_torch_sgd_step(type(optimizer).step)
             or optimizer._optimizer_step_post_hooks or _global_hooks("post")
-            or (own is not None and not hasattr(own, "_wrapped_by_lr_sched"))
+            or (own is not None and not hasattr(own, "_wrapped_by_lr_sched"))  # steps_directly checked the rest
             or getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None
             or not _on_cpu(optimizer)):
         optimizer.step()

@@ -251,22 +251,44 @@ def test_the_run_freezes_its_set_up_objects_for_the_gc_and_unfreezes_them_after(
         gc.unfreeze()
 
 
-@pytest.mark.parametrize("chunk_size, stage_rows", [(None, 64), (2, 64), (2, 3), (4, 3)])
-def test_vmap_trains_in_the_trainers_rows_when_free_and_copies_otherwise(log_dir, monkeypatch, chunk_size, stage_rows):
+@pytest.mark.parametrize("chunk_size, stage_rows, in_place", [(None, 64, 2), (2, 64, 6), (2, 3, 4), (4, 3, 2)])
+def test_vmap_trains_in_the_trainers_rows_when_free_and_copies_otherwise(log_dir, monkeypatch, chunk_size, stage_rows,
+                                                                          in_place):
     # A chunk that fits in the trainer's free staged rows trains in place there; one that does not
     # (a stage of 3 rows: the second chunk of 2, or a chunk of 4) writes each update as the
-    # sequential executor does. Every case ends where the sequential executor ends.
+    # sequential executor does. Every client's update, before and after the plugins, and the model
+    # are the bits of the copying path, and the run ends where the sequential executor ends.
     from dpfl_lightning import aggregation
+    from dpfl_lightning.aggregation import PayloadAggregator
     from dpfl_lightning.executor.vmap import VmapExecutor
+    from helpers import Recorder
 
     def run(executor):
+        raw, done = Recorder(order=-10**6), Recorder(order=10**6)
         t = quiet_trainer(log_dir, rounds=2, clients_per_round=5, executor=executor,
-                          plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.5, placement="local")])
+                          plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.5, placement="local"), raw, done])
         if executor == "vmap":
             t.executor = VmapExecutor(chunk_size=chunk_size)
-        return t.fit(TinyClassifier(), tiny_data()).global_params.clone()
+        params = t.fit(TinyClassifier(), tiny_data()).global_params.clone()
+        return params, (raw.clients, raw.updates), (done.clients, done.updates)
 
-    reference = run("sequential")
+    reference = run("sequential")[0]
     row_bytes = 4 * (reference.numel() + 64)  # the update and the few values of the other segments
     monkeypatch.setattr(aggregation, "STAGE_BYTES", stage_rows * row_bytes)
-    assert torch.allclose(run("vmap"), reference, atol=1e-6)
+    blocks = []
+    update_rows = PayloadAggregator.update_rows
+
+    def counted(self, n):
+        block = update_rows(self, n)
+        blocks.append(block is not None)
+        return block
+
+    monkeypatch.setattr(PayloadAggregator, "update_rows", counted)
+    params, raw, done = run("vmap")
+    assert sum(blocks) == in_place  # chunks trained in place over the 2 rounds
+    monkeypatch.setattr(PayloadAggregator, "update_rows", lambda self, n: None)
+    copied = run("vmap")
+    assert torch.equal(params, copied[0])
+    for ours, theirs in ((raw, copied[1]), (done, copied[2])):  # (clients, updates) in finishing order
+        assert ours[0] == theirs[0] and all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1]))
+    assert torch.allclose(params, reference, atol=1e-6)

@@ -1033,6 +1033,7 @@ class SgdVariant(TinyClassifier):
                          {"params": list(self.net[2].parameters()) + [self.unused]}])
         if self.post_hook:
             opt.register_step_post_hook(lambda *a: setattr(self, "hook_calls", self.hook_calls + 1))
+            opt.zero_grad = opt.zero_grad  # on the instance: the loop calls it rather than set grads to None
         return opt
 
 
@@ -1054,8 +1055,9 @@ def _step_ranges(model, log_dir, lr_scheduler=None) -> int:
     (lambda groups: torch.optim.Adam(groups, lr=0.01), False),
 ])
 def test_a_plain_sgd_step_computed_by_the_loop_gives_the_bits_of_sgd_step(log_dir, make, direct):
-    # The reference calls optimizer.step() (a post-hook forces that); the model trained without the
-    # hook must end bit for bit equal, and only plain SGD may skip optimizer.step's own bookkeeping.
+    # The reference calls optimizer.step() and optimizer.zero_grad() (a post-hook and a zero_grad on
+    # the instance force that); the model trained without them must end bit for bit equal, and only
+    # plain SGD may skip optimizer.step's own bookkeeping.
     ours, ref = SgdVariant(make, post_hook=False), SgdVariant(make, post_hook=True)
     ranges = _step_ranges(ours, log_dir)
     ref_ranges = _step_ranges(ref, log_dir)
@@ -1099,3 +1101,30 @@ def test_an_optimizer_with_its_own_zero_grad_has_it_called_every_step(log_dir):
     CountingZeroGrad.calls = 0
     quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6).fit(OwnZeroGrad(), tiny_data(num_clients=3, samples=12))
     assert CountingZeroGrad.calls == 8
+
+
+class OwnStepUnderScheduler(TinyClassifier):
+    """A ``step`` replaced on the optimizer instance, then wrapped by an LR scheduler's counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.own_steps = 0
+
+    def configure_optimizers(self):
+        import types
+
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def own_step(optimizer, closure=None):
+            self.own_steps += 1
+            return torch.optim.SGD.step(optimizer, closure)
+
+        opt.step = types.MethodType(own_step, opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "interval": "step"}}
+
+
+def test_a_step_replaced_on_the_optimizer_runs_even_under_a_schedulers_wrapper(log_dir):
+    model = OwnStepUnderScheduler()
+    quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6).fit(model, tiny_data(num_clients=3, samples=12))
+    assert model.own_steps == 8

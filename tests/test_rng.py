@@ -154,7 +154,7 @@ def test_prepared_generator_states_serve_only_their_round():
         assert torch.equal(got, torch.rand(4))
 
 
-@pytest.mark.parametrize("n", [0, 1, 50, 64, 65, 192, 193, 5000])
+@pytest.mark.parametrize("n", [0, 1, 50, 64, 65, 192, 193, 5000, 300_000])  # the last: past the 1 MiB blocks
 def test_first_words_of_many_streams_are_each_streams_own_words(n):
     # the vectorised executor draws every client's shuffle words at once: across the doubling
     # block boundaries (64 words, then 128 more ...) they must be what each stream gives alone

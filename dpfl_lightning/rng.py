@@ -236,9 +236,16 @@ class HashStream(Stream):
             self._generator = torch_generator(self._torch_key, "cpu")
         return self._generator
 
+    @staticmethod
+    def _block_size(block: int) -> int:
+        return min(_FIRST_BLOCK << block, _MAX_BLOCK)
+
+    @staticmethod
+    def _block_bytes(key: bytes, block: int) -> bytes:
+        return hashlib.shake_256(key + block.to_bytes(8, "little")).digest(HashStream._block_size(block))
+
     def _refill(self) -> None:
-        size = min(_FIRST_BLOCK << self._block, _MAX_BLOCK)
-        self._buf = hashlib.shake_256(self._key + self._block.to_bytes(8, "little")).digest(size)
+        self._buf = self._block_bytes(self._key, self._block)
         self._block += 1
         self._pos = 0
 
@@ -261,18 +268,17 @@ class HashStream(Stream):
         """``[HashStream(k).words(n) for k in keys]`` as one ``[len(keys), n]`` array, computed
         together (the blocks of every key joined, then one conversion): ~4x faster for 50 short
         streams than one stream object each."""
-        sizes, total = [], 0
+        blocks, total = 0, 0
         while total < 8 * n:  # the blocks a stream reads for its first n words
-            sizes.append(min(_FIRST_BLOCK << len(sizes), _MAX_BLOCK))
-            total += sizes[-1]
-        need = 8 * n
+            total += HashStream._block_size(blocks)
+            blocks += 1
         parts = []
         for key in keys:
-            left = need
-            for b, size in enumerate(sizes):
-                take = min(size, left)
-                parts.append(hashlib.shake_256(key + b.to_bytes(8, "little")).digest(size)[:take])
-                left -= take
+            left = 8 * n
+            for b in range(blocks):
+                chunk = HashStream._block_bytes(key, b)
+                parts.append(chunk[:left])
+                left -= len(chunk)
         words = np.frombuffer(b"".join(parts), dtype="<u8").reshape(len(keys), n)
         return np.right_shift(words, np.uint64(11)).astype(np.uint64, copy=False)
 
@@ -337,6 +343,11 @@ class RandomSource:
         if purpose == DATA:  # a client's shuffles: small, many, on the CPU
             return HashStream(key)
         return TorchStream(key, device)
+
+    def data_words(self, round_idx: int, clients: list[int], n: int) -> np.ndarray:
+        """``[stream(round_idx, c, DATA).words(n) for c in clients]`` as one ``[len(clients), n]``
+        array, computed together (the words of the clients' shuffles, see :meth:`HashStream.randperm`)."""
+        return HashStream.first_words([self.key(round_idx, c, DATA) for c in clients], n)
 
     def generator(self, round_idx: int, client: int, purpose: int, device: torch.device | str = "cpu") -> torch.Generator:
         """A torch generator for draws no guarantee relies on (shuffles, dropout)."""

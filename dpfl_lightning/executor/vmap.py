@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from dpfl_lightning import optimizer_calls, rng
+from dpfl_lightning import optimizer_calls
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.executor.base import Executor, RoundWork
 from dpfl_lightning.module import ClientRun, parse_optimizers
@@ -174,9 +174,7 @@ class VmapExecutor(Executor):
             return idx.repeat(1, passes), bs, steps
         # A client's shuffles are stable argsorts of its DATA stream's successive 53-bit integers
         # (HashStream.randperm, as client_batches draws them pass after pass): all in one argsort.
-        keys = [work.random.key(plan.round_idx, c, rng.DATA) for c in clients]
-        assert isinstance(work.random.stream(plan.round_idx, clients[0], rng.DATA), rng.HashStream)
-        words = rng.HashStream.first_words(keys, passes * n).reshape(len(clients), passes, n)
+        words = work.random.data_words(plan.round_idx, clients, passes * n).reshape(len(clients), passes, n)
         perms = torch.from_numpy(np.argsort(words, axis=2, kind="stable").astype(np.int64, copy=False)).to(idx.device)
         rows = torch.gather(idx.unsqueeze(1).expand(-1, passes, -1), 2, perms)
         return rows.reshape(len(clients), passes * n), bs, steps

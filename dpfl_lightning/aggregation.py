@@ -33,7 +33,10 @@ from dpfl_lightning.payload import PayloadLayout
 
 HEADROOM_BITS = 8
 STAGE_BYTES = 16 << 20  # rows staged before a fold: a few clients at once, at most 16 MiB
-FOLD_COLUMNS = 1 << 20  # columns rounded per pass: float32 scratch of at most 4 MiB per staged row
+FOLD_COLUMNS = 1 << 20  # columns rounded per pass on a GPU: float32 scratch of at most 4 MiB per staged row
+# On a CPU, columns per pass: a scratch of about FOLD_TILE_BYTES stays in the core's cache between
+# its three passes (scale, round, add), and at least FOLD_MIN_COLUMNS keep the passes few.
+FOLD_TILE_BYTES, FOLD_MIN_COLUMNS = 1 << 19, 1 << 14
 
 
 class PayloadAggregator:
@@ -51,7 +54,9 @@ class PayloadAggregator:
         self._stage_views = [layout.views(r) for r in self._stage]
         self._staged = 0
         self._acc = torch.zeros(layout.size, dtype=torch.float64, device=device)
-        self._tmp = torch.zeros(capacity, min(layout.size, FOLD_COLUMNS), dtype=self._stage.dtype, device=device)
+        width = FOLD_COLUMNS if self._stage.device.type != "cpu" else \
+            max(FOLD_TILE_BYTES // (4 * capacity), FOLD_MIN_COLUMNS)
+        self._tmp = torch.zeros(capacity, min(layout.size, width), dtype=self._stage.dtype, device=device)
         self.checked = [s.name for s in layout.segments if s.source != "control"]  # the trainer's own flags are finite
         self.streamed: list[str] = []
         self.kept: list[str] = []

@@ -122,13 +122,15 @@ def test_a_sum_beyond_the_exact_range_across_ranks_is_refused_on_every_rank():
         agg.reduce(FourIdenticalRanks())
 
 
+@pytest.mark.parametrize("tile_columns", [None, 24])  # the whole row at once; tiles of 24, 24 and 16 columns
 @pytest.mark.parametrize("bound", [1.0, 1e-33])  # a float32 grid scale, and one float32 cannot hold
-def test_streamed_sum_is_the_exact_sum_of_values_rounded_to_the_grid(bound):
+def test_streamed_sum_is_the_exact_sum_of_values_rounded_to_the_grid(bound, tile_columns, monkeypatch):
     # What the grid promises, computed with Python's exact rationals: every value rounded to the
     # nearest multiple of 2^L (ties to even), then summed. Values sit on ties, far below the grid
     # and far above (where float32 spacing exceeds the grid), for staged and single-row folds.
     from fractions import Fraction
 
+    from dpfl_lightning import aggregation
     from dpfl_lightning.aggregation import HEADROOM_BITS
     from dpfl_lightning.comm.exact_sum import grid_exponent
 
@@ -145,7 +147,11 @@ def test_streamed_sum_is_the_exact_sum_of_values_rounded_to_the_grid(bound):
     usual = torch.randn(n, 16, generator=g) * bound / 8
     huge = torch.randn(n, 16, generator=g) * bound * 200  # 200x the bound: within the headroom
     rows = torch.cat([ties, tiny, usual, huge], dim=1).float()
+    if tile_columns:
+        monkeypatch.setattr(aggregation, "FOLD_TILE_BYTES", 0)
+        monkeypatch.setattr(aggregation, "FOLD_MIN_COLUMNS", tile_columns)
     agg = PayloadAggregator(layout, torch.device("cpu"))
+    assert agg._tmp.shape[1] == (tile_columns or 64)
     agg.start(n, {"update": bound})
     for k in range(n):
         agg.client_views()

@@ -68,9 +68,21 @@ def wandb_records(path):
     return records
 
 
+def finished_wandb_records(path, timeout=30.0):
+    """The records of a finished run's file, once its ``exit`` record is there: W&B's service writes
+    the file asynchronously, and ``finish()`` can return before it has (2 of 40 runs here found only
+    the 7-byte header right after ``finish()``, and the whole file 250 ms later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
 def wandb_history(path):
     rows, config, run_ids = [], {}, []
-    for rec in wandb_records(path):
+    for rec in finished_wandb_records(path):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})

@@ -40,6 +40,29 @@ class TinyClassifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class TiedWeights(TinyClassifier):  # one parameter in two layers (as an embedding and its output layer)
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 10))
+        self.net[2].weight = self.net[0].weight
+
+
+class AliasedLayer(TinyClassifier):  # one layer under two names
+    def __init__(self):
+        super().__init__()
+        self.head = self.net[2]
+
+
+class TiedAndAliased(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(10, 10), torch.nn.Linear(10, 10)
+        self.b.weight = self.a.weight
+        self.net = torch.nn.Sequential(self.a, torch.nn.ReLU(), self.b)
+
+
 def tiny_data(num_clients: int = 20, samples: int = 12, dim: int = 10, seed: int = 0, **kw) -> SyntheticLogistic:
     return SyntheticLogistic(num_clients=num_clients, samples_per_client=samples, test_samples_per_client=4,
                              dim=dim, seed=seed, **kw)

@@ -16,13 +16,19 @@ from dpfl_lightning.plugins import DPSGD
 from dpfl_lightning.plugins.base import FederatedCallback
 from dpfl_lightning.releases import MetricRelease
 from dpfl_lightning.plugins import PrivacyLedger
-from helpers import TinyClassifier, quiet_trainer, tiny_data
+from helpers import AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data
 
 
-class BatchKeeper(TinyClassifier):
-    def training_step(self, batch, batch_idx):
-        self.last_batch = batch
-        return super().training_step(batch, batch_idx)
+def keeping_batches(model_class):
+    class BatchKeeper(model_class):
+        def training_step(self, batch, batch_idx):
+            self.last_batch = batch
+            return super().training_step(batch, batch_idx)
+
+    return BatchKeeper
+
+
+BatchKeeper = keeping_batches(TinyClassifier)
 
 
 class GradSampleSpy(FederatedCallback):
@@ -37,13 +43,15 @@ class GradSampleSpy(FederatedCallback):
                           [t.clone() for t in model.last_batch], [p.detach().clone() for p in model.parameters()]))
 
 
-def test_per_record_gradients_equal_a_per_example_loop(log_dir):
+# shared parameters: a layer under two names is hooked once; a weight in two layers gets both parts
+@pytest.mark.parametrize("model", [TinyClassifier, AliasedLayer, TiedWeights, TiedAndAliased])
+def test_per_record_gradients_equal_a_per_example_loop(log_dir, model):
     spy = GradSampleSpy()
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=5, local_steps=2,
                             plugins=[DPSGD(noise_multiplier=0.5, max_grad_norm=1.0), spy])
-    trainer.fit(BatchKeeper(), tiny_data(num_clients=4, samples=20))
+    trainer.fit(keeping_batches(model)(), tiny_data(num_clients=4, samples=20))
     assert len(spy.seen) == 4
-    ref = TinyClassifier()
+    ref = model()
     for grad_samples, (x, y), params in spy.seen:
         assert grad_samples[0].shape[0] == x.shape[0]
         with torch.no_grad():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from dpfl_lightning import ConfigError
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
-from helpers import TinyClassifier, quiet_trainer, tiny_data
+from helpers import AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data
 
 
 class Frozen(TinyClassifier):
@@ -213,6 +213,39 @@ def test_vmap_trains_every_client_on_the_sequential_executors_batches():
         seq = torch.cat([b[0] for _, _, b in batches])
         vm = x[orders[j, : len(seq)]]
         assert torch.equal(seq, vm)
+
+
+@pytest.mark.parametrize("model", [TiedWeights, AliasedLayer, TiedAndAliased])
+def test_vmap_trains_shared_parameters_like_sequential_and_leaves_the_module_whole(log_dir, model):
+    out = {}
+    for ex in ("sequential", "vmap"):
+        m = model()
+        places = [(sub, attr, p) for sub in m.modules() for attr, p in sub._parameters.items()]
+        # two rounds, then the evaluation, which runs the module itself
+        out[ex] = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex).fit(m, tiny_data()).global_params.clone()
+        assert all(sub._parameters[attr] is p for sub, attr, p in places)  # its own parameters, still shared
+    # a tied weight's gradient has both layers' parts
+    assert torch.allclose(out["vmap"], out["sequential"], atol=1e-6)
+
+
+def test_vmap_refuses_and_repairs_a_module_left_holding_tensors_from_the_vectorised_step(log_dir, monkeypatch):
+    from dpfl_lightning.executor.vmap import VmapExecutor
+
+    loss = VmapExecutor._loss
+
+    def leaves_a_tensor(self, params, batch):
+        out = loss(self, params, batch)
+        self._step.inner.net[0]._parameters["weight"] = params["inner.net.0.weight"] * 1.0
+        return out
+
+    monkeypatch.setattr(VmapExecutor, "_loss", leaves_a_tensor)
+    m = TinyClassifier()
+    weight = m.net[0].weight
+    with pytest.raises(ConfigError, match=r"other tensors than its parameters \['weight'\]"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap").fit(m, tiny_data())
+    assert m.net[0].weight is weight
+    monkeypatch.undo()
+    quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(m, tiny_data())  # the module still trains
 
 
 def test_vmap_refuses_a_training_step_that_stops_local_training(log_dir):

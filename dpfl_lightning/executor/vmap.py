@@ -56,6 +56,26 @@ class _TrainingStep(nn.Module):
         return loss, logged
 
 
+def _parameter_places(module: nn.Module) -> list[tuple[str, str]] | None:
+    """Every place where a module holds a parameter, once, as ``(path, name)`` with ``name`` the
+    parameter's name in ``named_parameters()``; ``None`` when each parameter has one place.
+
+    A parameter shared by two modules (tied weights) has two places, both to be substituted; a module
+    registered under two names (``self.head = self.net[2]``) is one place reachable by two paths,
+    to be substituted once (``functional_call(tie_weights=True)`` substitutes it twice and then
+    restores a substituted tensor instead of the parameter, so the module keeps a tensor from
+    inside ``vmap``)."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    places, seen = [], set()
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in sub._parameters.items():  # noqa: SLF001 - the module's own slots
+            if p is not None and (id(sub), attr) not in seen:
+                seen.add((id(sub), attr))
+                places.append((f"{path}.{attr}" if path else attr, name_of[id(p)]))
+    one_each = len(places) == len(name_of) and all(path == name for path, name in places)
+    return None if one_each else places
+
+
 class VmapExecutor(Executor):
     """Train a rank's clients together: ``torch.func.vmap`` over parameters stacked per client.
 
@@ -118,8 +138,7 @@ class VmapExecutor(Executor):
         self._group_hparams = [{k: v for k, v in g.items() if k != "params"} for g in opts[0].param_groups]
         self._step = _TrainingStep(m)
         self._names = [n for n, _ in self._step.named_parameters()]
-        # functional_call looks for tied parameters on every call unless told there are none
-        self._tied = len(list(self._step.named_parameters(remove_duplicate=False))) > len(self._names)
+        self._places = _parameter_places(self._step)
         self._params = module.parameter_list
         self._shapes = [p.shape for p in self._params]
         self._slices = module.parameter_slices
@@ -130,6 +149,7 @@ class VmapExecutor(Executor):
         """One vectorised step on two copies of a real batch, at set-up: what vmap cannot run
         (dropout and other random ops, metric updates, data-dependent control flow) is refused now,
         with the reason, instead of failing at the first step."""
+        held = [(sub, attr, p) for sub in module.inner.modules() for attr, p in sub._parameters.items()]  # noqa: SLF001
         idx = data.client_indices(0)[:2]
         batch = tuple(torch.stack([t[idx], t[idx]]) for t in data.in_memory_tensors)
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
@@ -144,10 +164,19 @@ class VmapExecutor(Executor):
             for m in module.inner.modules():  # a metric updated by the trial forgets it
                 if isinstance(m, Metric):
                     m.reset()
+            changed = [attr for sub, attr, p in held if sub._parameters.get(attr) is not p]  # noqa: SLF001
+            for sub, attr, p in held:  # a tensor from inside vmap left in the module: its own parameters back
+                sub._parameters[attr] = p  # noqa: SLF001
+        if changed:
+            raise ConfigError("trainer.executor", "vmap", f"after a vectorised step the module held other tensors than "
+                              f"its parameters {changed[:3]} (an unusual parameter layout)", "use executor='sequential'")
 
     def _loss(self, params: dict[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = tuple(t.unsqueeze(0) if t.dim() == 0 else t for t in batch) if isinstance(batch, tuple) else batch
-        loss, logged = torch.func.functional_call(self._step, params, (batch,), tie_weights=self._tied)
+        if self._places is not None:  # a parameter in several places: each place gets it (its gradient sums them)
+            params = {place: params[name] for place, name in self._places}
+        # tie_weights=False: every place is given (and functional_call's own search costs a call each step)
+        loss, logged = torch.func.functional_call(self._step, params, (batch,), tie_weights=False)
         return loss, logged
 
     def train(self, work: RoundWork) -> Iterator:

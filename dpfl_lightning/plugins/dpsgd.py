@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from opacus import GradSampleModule
@@ -46,6 +46,20 @@ def _unsupported_layers(model: torch.nn.Module) -> list[str]:
     is refused then, by name."""
     errors = (str(e) for e in ModuleValidator.validate(model, strict=False))
     return list(dict.fromkeys(e for e in errors if "training mode" not in e))
+
+
+class _GradSamples(GradSampleModule):
+    """Opacus's ``GradSampleModule`` that hooks each layer once: Opacus walks the module tree by
+    name, so a layer registered under two names (``self.head = self.net[2]``) would be hooked twice
+    and its per-record gradients added twice. (A parameter shared by two different layers, tied
+    weights, is hooked in each layer, which adds its own part: that is right.)"""
+
+    def iterate_submodules(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
+        seen: set[int] = set()
+        for sub in super().iterate_submodules(module):
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                yield sub
 
 
 def _transplant(model: torch.nn.Module, fixed: torch.nn.Module) -> None:
@@ -215,7 +229,7 @@ class DPSGD(FederatedCallback):
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             # Hooks on the layers: the module's own training_step computes per-record gradients. Set
             # here, not in setup, so that a run failing during set-up leaves no hooks on the model.
-            self._grad_sample_module = GradSampleModule(ctx.model, strict=False, loss_reduction=self.loss_reduction)
+            self._grad_sample_module = _GradSamples(ctx.model, strict=False, loss_reduction=self.loss_reduction)
             # Opacus records a layer's activations only in train mode, and the submodules keep the
             # modes the user gives them (hooks such as on_train_start may change them): a trainable
             # layer run in eval mode with gradients on is refused when it runs, with its name.

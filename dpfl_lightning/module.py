@@ -528,6 +528,11 @@ class FederatedLightningModule:
         params = list(m.parameters())
         if not params:
             raise ConfigError("model", type(m).__name__, "has no parameters", "give the model trainable parameters")
+        lazy = [n for n, p in m.named_parameters() if nn.parameter.is_lazy(p)]
+        if lazy:
+            raise ConfigError("model", lazy[:3], "has lazy parameters whose shapes are not known yet (nn.LazyLinear "
+                              "and the like)", "run the model once on an example batch before fit, or give the "
+                              "layers their input sizes")
         bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
         if bad:
             raise ConfigError("model", type(m).__name__, f"has parameters of dtype {', '.join(bad)}",

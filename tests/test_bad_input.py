@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpfl_lightning import FederatedDataModule, NonFiniteUpdateError
+from dpfl_lightning import ConfigError, FederatedDataModule, NonFiniteUpdateError
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.run_setup import available_cpus
 from helpers import TinyClassifier, quiet_trainer, tiny_data
@@ -135,3 +135,40 @@ def test_more_threads_than_cores_warns_once_with_the_fix(log_dir):
     assert f"at most {available_cpus()}" in str(warning.message)
     assert run(available_cpus()) == []
     torch.set_num_threads(1)
+
+
+class _Lazy(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+
+class _Double(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = self.net.double()
+
+
+class _RunningStats(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 10))
+
+
+class _NoParameters(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Identity()
+
+
+@pytest.mark.parametrize("model,says,fix", [
+    (_Lazy, r"model=\['net.0.weight', 'net.0.bias'\]: has lazy parameters", "run the model once on an example batch"),
+    (_Double, "model='_Double': has parameters of dtype torch.float64", r"model.float\(\)"),
+    (_RunningStats, r"model=\['net.1'\]: BatchNorm running statistics", "GroupNorm"),
+    (_NoParameters, "model='_NoParameters': has no parameters", "trainable parameters"),
+])
+@pytest.mark.parametrize("executor", ["sequential", "vmap"])
+def test_models_the_global_model_cannot_hold_are_refused_at_set_up(log_dir, model, says, fix, executor):
+    with pytest.raises(ConfigError, match=f"{says}.*Fix: .*{fix}") as err:
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor=executor).fit(model(), tiny_data())
+    assert "\n" not in str(err.value)

@@ -325,3 +325,58 @@ def test_vmap_trains_in_the_trainers_rows_when_free_and_copies_otherwise(log_dir
     for ours, theirs in ((raw, copied[1]), (done, copied[2])):  # (clients, updates) in finishing order
         assert ours[0] == theirs[0] and all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1]))
     assert torch.allclose(params, reference, atol=1e-6)
+
+
+class ScalesByABuffer(TinyClassifier):  # a constant buffer (a normalization, a positional encoding)
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 10))
+
+    def forward(self, x):
+        return self.net(x * self.scale)
+
+
+class CountsSteps(ScalesByABuffer):  # writes its buffer, from the step ``first`` on
+    first = 0
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx >= self.first:
+            self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+class CountsFromTheSecondStep(CountsSteps):
+    first = 1
+
+
+class ReplacesItsBuffer(ScalesByABuffer):
+    def training_step(self, batch, batch_idx):
+        self.scale = self.scale * 1.0
+        return super().training_step(batch, batch_idx)
+
+
+def test_vmap_runs_a_module_with_constant_buffers_like_sequential(log_dir):
+    out = {}
+    for ex in ("sequential", "vmap"):
+        out[ex] = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor=ex).fit(
+            ScalesByABuffer(), tiny_data()).global_params.clone()
+    assert torch.allclose(out["vmap"], out["sequential"], atol=1e-6)
+    # the buffer matters: without it the model trains elsewhere
+    plain = quiet_trainer(log_dir, rounds=2, clients_per_round=4, executor="vmap").fit(TinyClassifier(), tiny_data())
+    assert not torch.allclose(plain.global_params, out["vmap"], atol=1e-3)
+
+
+@pytest.mark.parametrize("model", [CountsSteps, ReplacesItsBuffer, CountsFromTheSecondStep])
+def test_vmap_refuses_a_training_step_that_changes_a_buffer(log_dir, model):
+    # at set-up when the first step changes it; else at the step that does (batch size 4 of 12: 3 steps)
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap")
+    says = r"changes a buffer or another tensor of the module in place" if model is not ReplacesItsBuffer else \
+        r"training_step changes the buffers \['ReplacesItsBuffer.scale'\]"
+    with pytest.raises(ConfigError, match=says):
+        trainer.fit(model(), tiny_data())
+    assert trainer.round_times == []  # no round finished
+    quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(model(), tiny_data())  # the sequential executor runs it

@@ -56,6 +56,21 @@ class _TrainingStep(nn.Module):
         return loss, logged
 
 
+_CAPTURED = "mutate a captured Tensor"  # torch.func's refusal of an in-place write to a tensor from outside
+
+
+def _refusal(exc: Exception) -> ConfigError:
+    """The ConfigError for a training_step that failed inside the vectorised step, with the reason."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    hint = ""
+    if "random" in first.lower():
+        hint = " (dropout or another random op in training_step)"
+    elif _CAPTURED in first:
+        hint = " (it changes a buffer or another tensor of the module in place, which the clients of a chunk share)"
+    return ConfigError("trainer.executor", "vmap", f"the module's training_step cannot be vectorised{hint}: "
+                       f"{type(exc).__name__}: {first[:200]}", "use executor='sequential'")
+
+
 def _parameter_places(module: nn.Module) -> list[tuple[str, str]] | None:
     """Every place where a module holds a parameter, once, as ``(path, name)`` with ``name`` the
     parameter's name in ``named_parameters()``; ``None`` when each parameter has one place.
@@ -87,8 +102,9 @@ class VmapExecutor(Executor):
     What it does not run: per-batch hooks other than ``training_step`` (a module overriding one is
     refused), LR schedulers, manual optimization, plugins that change gradients or optimizers
     (DP-SGD), random ops inside ``training_step`` (dropout: vmap would draw from one generator for
-    the whole chunk), frozen parameters and modules with buffers. Those raise a clear error at
-    set-up; use the sequential executor for them.
+    the whole chunk), frozen parameters and a ``training_step`` that changes buffers (constant
+    buffers are fine). Those raise a clear error at set-up (a buffer changed at a later step: at that
+    step); use the sequential executor for them.
 
     Results match the sequential executor to float rounding (different kernels), not bitwise; they
     do not depend on the number of ranks as long as the batched kernels compute every client's
@@ -108,9 +124,6 @@ class VmapExecutor(Executor):
         if changes_local_steps:
             raise ConfigError("trainer.executor", "vmap", f"plugins {changes_local_steps} change gradients or optimizers "
                               "inside local steps", "use executor='sequential'")
-        if list(m.buffers()):
-            raise ConfigError("trainer.executor", "vmap", "the model has buffers (e.g. BatchNorm statistics)",
-                              "use executor='sequential' or a model without buffers")
         hooks = module.overridden_step_hooks + module.overridden_transfer_hooks
         if hooks:
             raise ConfigError("trainer.executor", "vmap", f"the module overrides {hooks}, which the vectorised "
@@ -139,6 +152,9 @@ class VmapExecutor(Executor):
         self._step = _TrainingStep(m)
         self._names = [n for n, _ in self._step.named_parameters()]
         self._places = _parameter_places(self._step)
+        # buffers (constants such as positional encodings or normalization statistics) are shared by
+        # the clients of a chunk: a step that changes one (a counter, running statistics) is refused
+        self._buffers = [(sub, name) for sub in m.modules() for name, b in sub._buffers.items() if b is not None]  # noqa: SLF001
         self._params = module.parameter_list
         self._shapes = [p.shape for p in self._params]
         self._slices = module.parameter_slices
@@ -150,16 +166,14 @@ class VmapExecutor(Executor):
         (dropout and other random ops, metric updates, data-dependent control flow) is refused now,
         with the reason, instead of failing at the first step."""
         held = [(sub, attr, p) for sub in module.inner.modules() for attr, p in sub._parameters.items()]  # noqa: SLF001
+        buffers = self._buffer_state()
         idx = data.client_indices(0)[:2]
         batch = tuple(torch.stack([t[idx], t[idx]]) for t in data.in_memory_tensors)
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
         try:
             self._fn(params, batch)  # in the modes the user gave the submodules, as training runs
         except Exception as exc:  # noqa: BLE001 - any failure of the vectorised step is a refusal
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            hint = " (dropout or another random op in training_step)" if "random" in first.lower() else ""
-            raise ConfigError("trainer.executor", "vmap", f"the module's training_step cannot be vectorised{hint}: "
-                              f"{type(exc).__name__}: {first[:200]}", "use executor='sequential'") from None
+            raise _refusal(exc) from None
         finally:
             for m in module.inner.modules():  # a metric updated by the trial forgets it
                 if isinstance(m, Metric):
@@ -170,6 +184,19 @@ class VmapExecutor(Executor):
         if changed:
             raise ConfigError("trainer.executor", "vmap", f"after a vectorised step the module held other tensors than "
                               f"its parameters {changed[:3]} (an unusual parameter layout)", "use executor='sequential'")
+        self._check_buffers(buffers)
+
+    def _buffer_state(self) -> list[tuple[torch.Tensor, int]]:
+        return [(sub._buffers[name], sub._buffers[name]._version) for sub, name in self._buffers]  # noqa: SLF001
+
+    def _check_buffers(self, before: list[tuple[torch.Tensor, int]]) -> None:
+        """Refuse a step that wrote or replaced a buffer: it would run once for the whole chunk, where
+        the sequential executor runs it for each client (from the initial buffers, see ``load_global``)."""
+        changed = [f"{type(sub).__name__}.{name}" for (sub, name), (b, version) in zip(self._buffers, before)
+                   if sub._buffers.get(name) is not b or b._version != version]  # noqa: SLF001
+        if changed:
+            raise ConfigError("trainer.executor", "vmap", f"training_step changes the buffers {changed[:3]}, which the "
+                              "clients of a vectorised chunk share", "use executor='sequential'")
 
     def _loss(self, params: dict[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = tuple(t.unsqueeze(0) if t.dim() == 0 else t for t in batch) if isinstance(batch, tuple) else batch
@@ -242,6 +269,7 @@ class VmapExecutor(Executor):
         shim.training = True
         shim.should_stop = False
         logged.step_level = True
+        buffers = self._buffer_state() if self._buffers else None
         try:
             for s in range(steps):
                 epoch, b = divmod(s, per_epoch)
@@ -249,7 +277,14 @@ class VmapExecutor(Executor):
                 batch = tuple(t[sel] for t in tensors)
                 self._step.batch_idx = b
                 shim.is_last_batch = s + 1 == steps
-                grads, (_, logs) = self._fn(named, batch)
+                try:
+                    grads, (_, logs) = self._fn(named, batch)
+                except RuntimeError as exc:
+                    if _CAPTURED in str(exc):  # a write the set-up's trial step did not make
+                        raise _refusal(exc) from None
+                    raise
+                if buffers is not None:
+                    self._check_buffers(buffers)
                 if shim.should_stop:  # set inside training_step: it would end one client's training
                     raise ConfigError("trainer.executor", "vmap", "training_step set self.trainer.should_stop, which "
                                       "ends a client's local training; vectorised clients take their steps together",

@@ -34,8 +34,9 @@ from dpfl_lightning.payload import PayloadLayout
 HEADROOM_BITS = 8
 STAGE_BYTES = 16 << 20  # rows staged before a fold: a few clients at once, at most 16 MiB
 FOLD_COLUMNS = 1 << 20  # columns rounded per pass on a GPU: float32 scratch of at most 4 MiB per staged row
-# On a CPU, columns per pass: a scratch of about FOLD_TILE_BYTES stays in the core's cache between
-# its three passes (scale, round, add), and at least FOLD_MIN_COLUMNS keep the passes few.
+# On a CPU, columns per pass: as many as give FOLD_TILE_BYTES of scratch for all staged rows, which
+# stay in the core's cache between the three passes (scale, round, add); but at least
+# FOLD_MIN_COLUMNS, so a small model with many staged rows is not cut into many short passes.
 FOLD_TILE_BYTES, FOLD_MIN_COLUMNS = 1 << 19, 1 << 14
 
 

@@ -63,6 +63,24 @@ class TiedAndAliased(TinyClassifier):
         self.net = torch.nn.Sequential(self.a, torch.nn.ReLU(), self.b)
 
 
+class _ScaledLinear(nn.Module):  # a parameter of its own and a child: Opacus takes it whole (functorch)
+    def __init__(self, a: int, b: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(b))
+        self.lin = nn.Linear(a, b)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class AliasedInsideAWholeLayer(TinyClassifier):  # a child of such a layer, also under a second name
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(_ScaledLinear(10, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.first = self.net[0].lin
+
+
 def tiny_data(num_clients: int = 20, samples: int = 12, dim: int = 10, seed: int = 0, **kw) -> SyntheticLogistic:
     return SyntheticLogistic(num_clients=num_clients, samples_per_client=samples, test_samples_per_client=4,
                              dim=dim, seed=seed, **kw)

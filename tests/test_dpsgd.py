@@ -16,7 +16,7 @@ from dpfl_lightning.plugins import DPSGD
 from dpfl_lightning.plugins.base import FederatedCallback
 from dpfl_lightning.releases import MetricRelease
 from dpfl_lightning.plugins import PrivacyLedger
-from helpers import AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data
+from helpers import AliasedInsideAWholeLayer, AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data
 
 
 def keeping_batches(model_class):
@@ -44,7 +44,7 @@ class GradSampleSpy(FederatedCallback):
 
 
 # shared parameters: a layer under two names is hooked once; a weight in two layers gets both parts
-@pytest.mark.parametrize("model", [TinyClassifier, AliasedLayer, TiedWeights, TiedAndAliased])
+@pytest.mark.parametrize("model", [TinyClassifier, AliasedLayer, TiedWeights, TiedAndAliased, AliasedInsideAWholeLayer])
 def test_per_record_gradients_equal_a_per_example_loop(log_dir, model):
     spy = GradSampleSpy()
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=5, local_steps=2,

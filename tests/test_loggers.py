@@ -72,11 +72,17 @@ def finished_wandb_records(path, timeout=30.0):
     """The records of a finished run's file, once its ``exit`` record is there: W&B's service writes
     the file asynchronously, and ``finish()`` can return before it has (2 of 40 runs here found only
     the 7-byte header right after ``finish()``, and the whole file 250 ms later)."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + timeout
     while True:
-        records = wandb_records(path)
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+        try:
+            records = wandb_records(path)
+        except (AssertionError, DecodeError, struct.error):  # read while a record was half-written
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
             return records
+        assert time.monotonic() < deadline, f"no exit record in {path} after {timeout} s"
         time.sleep(0.05)
 
 

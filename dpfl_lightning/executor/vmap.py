@@ -71,6 +71,11 @@ def _refusal(exc: Exception) -> ConfigError:
                        f"{type(exc).__name__}: {first[:200]}", "use executor='sequential'")
 
 
+def _buffer_refusal(names: list[str]) -> ConfigError:
+    return ConfigError("trainer.executor", "vmap", f"training_step changes the buffers {names[:3]}, which the clients "
+                       "of a vectorised chunk share", "use executor='sequential'")
+
+
 def _parameter_places(module: nn.Module) -> list[tuple[str, str]] | None:
     """Every place where a module holds a parameter, once, as ``(path, name)`` with ``name`` the
     parameter's name in ``named_parameters()``; ``None`` when each parameter has one place.
@@ -181,22 +186,32 @@ class VmapExecutor(Executor):
             changed = [attr for sub, attr, p in held if sub._parameters.get(attr) is not p]  # noqa: SLF001
             for sub, attr, p in held:  # a tensor from inside vmap left in the module: its own parameters back
                 sub._parameters[attr] = p  # noqa: SLF001
+            written = self._changed_buffers(buffers)  # and its own buffers
         if changed:
             raise ConfigError("trainer.executor", "vmap", f"after a vectorised step the module held other tensors than "
                               f"its parameters {changed[:3]} (an unusual parameter layout)", "use executor='sequential'")
-        self._check_buffers(buffers)
+        if written:
+            raise _buffer_refusal(written)
 
     def _buffer_state(self) -> list[tuple[torch.Tensor, int]]:
         return [(sub._buffers[name], sub._buffers[name]._version) for sub, name in self._buffers]  # noqa: SLF001
 
+    def _changed_buffers(self, before: list[tuple[torch.Tensor, int]]) -> list[str]:
+        """The buffers written or replaced since ``before``, named; a replaced one (perhaps by a tensor
+        from inside vmap) is put back."""
+        changed = []
+        for (sub, name), (b, version) in zip(self._buffers, before):
+            if sub._buffers.get(name) is not b or b._version != version:  # noqa: SLF001
+                changed.append(f"{type(sub).__name__}.{name}")
+                sub._buffers[name] = b  # noqa: SLF001
+        return changed
+
     def _check_buffers(self, before: list[tuple[torch.Tensor, int]]) -> None:
         """Refuse a step that wrote or replaced a buffer: it would run once for the whole chunk, where
         the sequential executor runs it for each client (from the initial buffers, see ``load_global``)."""
-        changed = [f"{type(sub).__name__}.{name}" for (sub, name), (b, version) in zip(self._buffers, before)
-                   if sub._buffers.get(name) is not b or b._version != version]  # noqa: SLF001
+        changed = self._changed_buffers(before)
         if changed:
-            raise ConfigError("trainer.executor", "vmap", f"training_step changes the buffers {changed[:3]}, which the "
-                              "clients of a vectorised chunk share", "use executor='sequential'")
+            raise _buffer_refusal(changed)
 
     def _loss(self, params: dict[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = tuple(t.unsqueeze(0) if t.dim() == 0 else t for t in batch) if isinstance(batch, tuple) else batch
@@ -307,6 +322,8 @@ class VmapExecutor(Executor):
                         logged.log(name, v, *args, **kwargs)
                 samples += size
         finally:  # as fit_client: the flags never outlive the chunk, even when training_step raises
+            if buffers is not None:
+                self._changed_buffers(buffers)  # a step that failed may have replaced one: the module's own back
             shim.is_last_batch = False
             shim.training = False
             logged.step_level = False

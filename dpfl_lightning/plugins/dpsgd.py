@@ -27,8 +27,10 @@ from typing import Any, Iterable
 
 import torch
 from opacus import GradSampleModule
+from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from opacus.utils.module_utils import has_trainable_params
 from opacus.validators import ModuleValidator
 
 from dpfl_lightning import rng
@@ -49,17 +51,23 @@ def _unsupported_layers(model: torch.nn.Module) -> list[str]:
 
 
 class _GradSamples(GradSampleModule):
-    """Opacus's ``GradSampleModule`` that hooks each layer once: Opacus walks the module tree by
-    name, so a layer registered under two names (``self.head = self.net[2]``) would be hooked twice
-    and its per-record gradients added twice. (A parameter shared by two different layers, tied
-    weights, is hooked in each layer, which adds its own part: that is right.)"""
+    """Opacus's ``GradSampleModule`` that hooks each layer once. Opacus walks the module tree by name,
+    so a layer registered under two names (``self.head = self.net[2]``) would be hooked twice, and a
+    layer inside a module whose per-record gradients Opacus takes whole with ``functorch`` (a module
+    with parameters of its own and no grad sampler: children included) would be hooked again where
+    it is registered under another name; both would add its per-record gradients twice. (A parameter
+    shared by two different layers, tied weights, is hooked in each, which adds its own part: right.)"""
 
     def iterate_submodules(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
-        seen: set[int] = set()
-        for sub in super().iterate_submodules(module):
-            if id(sub) not in seen:
-                seen.add(id(sub))
-                yield sub
+        found = list({id(m): m for m in super().iterate_submodules(module)}.values())  # each once, in order
+        whole = [m for m in found if self._takes_children(m)]
+        inside = {id(sub) for m in whole for sub in m.modules() if sub is not m}
+        return [m for m in found if id(m) not in inside]
+
+    def _takes_children(self, module: torch.nn.Module) -> bool:
+        """Opacus's rule (``GradSampleModule.iterate_submodules``) for a module it does not recurse into."""
+        return has_trainable_params(module) and type(module) not in self.GRAD_SAMPLERS \
+            and type(module) not in (DPRNN, DPLSTM, DPGRU)
 
 
 def _transplant(model: torch.nn.Module, fixed: torch.nn.Module) -> None:

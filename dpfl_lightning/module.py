@@ -533,6 +533,10 @@ class FederatedLightningModule:
             raise ConfigError("model", lazy[:3], "has lazy parameters whose shapes are not known yet (nn.LazyLinear "
                               "and the like)", "run the model once on an example batch before fit, or give the "
                               "layers their input sizes")
+        as_buffers = [n for n, b in m.named_buffers() if any(b is p for p in params)]
+        if as_buffers:  # reset to its initial value for every client (load_global), it would never train
+            raise ConfigError("model", as_buffers[:3], "a parameter is also registered as a buffer",
+                              "register it once: as a parameter (trained) or as a buffer (a constant)")
         bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
         if bad:
             raise ConfigError("model", type(m).__name__, f"has parameters of dtype {', '.join(bad)}",

@@ -155,6 +155,12 @@ class _RunningStats(TinyClassifier):
         self.net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 10))
 
 
+class _ParameterAsBuffer(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", self.net[0].weight)
+
+
 class _NoParameters(TinyClassifier):
     def __init__(self):
         super().__init__()
@@ -166,6 +172,7 @@ class _NoParameters(TinyClassifier):
     (_Double, "model='_Double': has parameters of dtype torch.float64", r"model.float\(\)"),
     (_RunningStats, r"model=\['net.1'\]: BatchNorm running statistics", "GroupNorm"),
     (_NoParameters, "model='_NoParameters': has no parameters", "trainable parameters"),
+    (_ParameterAsBuffer, r"model=\['w'\]: a parameter is also registered as a buffer", "register it once"),
 ])
 @pytest.mark.parametrize("executor", ["sequential", "vmap"])
 def test_models_the_global_model_cannot_hold_are_refused_at_set_up(log_dir, model, says, fix, executor):

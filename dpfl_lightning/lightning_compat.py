@@ -104,7 +104,8 @@ parameter storage holding the final global model, no trainer attached, Lightning
   ``logger`` -> ``loggers``, ``enable_checkpointing`` -> ``checkpoint_every``.
 
 **The optimizer's own calls.** ``optimizer.step(closure)`` of torch's optimizers (all but L-BFGS,
-with no step pre-hooks) is the closure and then ``optimizer.step()``; for plain
+with no step pre-hooks) is the closure and then ``optimizer.step()``, without any step pre-hook the
+closure registered (``step(closure)`` runs its pre-hooks before the closure); for plain
 ``torch.optim.SGD`` on CPU (no momentum, weight decay, ``maximize``, ``foreach``, ``fused``,
 ``differentiable``; no step hooks) that step is ``p -= lr * grad`` computed by the loop, and torch's
 own ``zero_grad`` is ``grad = None`` (see :mod:`dpfl_lightning.optimizer_calls`): the same

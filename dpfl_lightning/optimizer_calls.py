@@ -100,7 +100,7 @@ def step(optimizer: torch.optim.Optimizer) -> None:
             or (own is not None and not hasattr(own, "_wrapped_by_lr_sched"))  # steps_directly checked the rest
             or getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None
             or not _on_cpu(optimizer)):
-        optimizer.step()
+        _step_without_new_pre_hooks(optimizer)
         return
     if own is not None:
         optimizer._opt_called = True  # what the scheduler's wrapper sets
@@ -111,6 +111,27 @@ def step(optimizer: torch.optim.Optimizer) -> None:
                 grad = p.grad
                 if grad is not None:
                     p.add_(grad, alpha=alpha)
+
+
+def _step_without_new_pre_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` without the step pre-hooks that the closure registered (there were none
+    before it, see :func:`steps_directly`): ``step(closure)`` runs its pre-hooks before the closure,
+    so under Lightning a pre-hook registered inside ``training_step`` first runs at the next step."""
+    tables = [t for t in (getattr(optimizer, "_optimizer_step_pre_hooks", None), _global_hooks("pre")) if t]
+    if not tables:
+        optimizer.step()
+        return
+    saved = [dict(t) for t in tables]
+    for t in tables:
+        t.clear()
+    try:
+        optimizer.step()
+    finally:  # back, in their order, before any registered during the step
+        for hooks, old in zip(tables, saved):
+            later = dict(hooks)
+            hooks.clear()
+            hooks.update(old)
+            hooks.update(later)
 
 
 def zero_grad(optimizer: torch.optim.Optimizer) -> None:

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import (Callback, EarlyStopping, LearningRateMo
                                          StochasticWeightAveraging, TQDMProgressBar)
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from dpfl_lightning import ConfigError, FederatedDataModule
@@ -1128,3 +1129,49 @@ def test_a_step_replaced_on_the_optimizer_runs_even_under_a_schedulers_wrapper(l
     model = OwnStepUnderScheduler()
     quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6).fit(model, tiny_data(num_clients=3, samples=12))
     assert model.own_steps == 8
+
+
+class RegistersAPreHookInItsFirstStep(TinyClassifier):
+    """At its first training_step it registers step pre-hooks on its optimizer and globally, which
+    record the optimizer steps they see."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+        self.calls: list[str] = []
+        self.handles = []
+
+    def configure_optimizers(self):
+        return self.make(self.parameters())
+
+    def training_step(self, batch, batch_idx):
+        if not self.handles:
+            opt = self.optimizers().optimizer if hasattr(self.optimizers(), "optimizer") else self.optimizers()
+            self.handles = [opt.register_step_pre_hook(lambda o, a, k: self.calls.append("own")),
+                            register_optimizer_step_pre_hook(
+                                lambda o, a, k: self.calls.append("global"))]
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=0.01), lambda p: torch.optim.SGD(p, lr=0.1)],
+                         ids=["adam", "plain-sgd"])  # optimizer.step(), and the step computed by the loop
+def test_a_step_pre_hook_registered_in_training_step_first_runs_at_the_next_step_as_under_lightning(log_dir, make):
+    data = tiny_data(num_clients=1, samples=12)
+    data.setup()
+    x, y = data.in_memory_tensors
+    got = {}
+    for who in ("lightning", "dpfl"):
+        m = RegistersAPreHookInItsFirstStep(make)
+        try:
+            if who == "lightning":
+                loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+                _lightning_trainer().fit(m, loader)
+            else:
+                quiet_trainer(log_dir, rounds=1, clients_per_round=1, batch_size=4).fit(m, data)
+        finally:
+            for h in m.handles:
+                h.remove()
+        got[who] = m.calls
+    # 3 steps; the hooks, registered inside the first, see the other two (global ones first)
+    assert got["lightning"] == ["global", "own"] * 2
+    assert got["dpfl"] == got["lightning"]

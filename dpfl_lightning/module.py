@@ -1001,6 +1001,20 @@ class FederatedLightningModule:
         return self.logged.results()
 
 
+def step_loss(out: Any) -> torch.Tensor | None:
+    """The loss in what ``training_step`` returned: a tensor, a dict with a ``"loss"`` tensor, or
+    ``None`` (the step is skipped); anything else is refused, as ``lightning.Trainer`` refuses it."""
+    loss = out.get("loss", _MISSING) if isinstance(out, Mapping) else out
+    if loss is None or isinstance(loss, torch.Tensor):
+        return loss
+    what = "a dict without a 'loss' key" if loss is _MISSING else f"a {type(loss).__name__} as the loss"
+    raise ConfigError("training_step", type(out).__name__, f"returned {what}",
+                      "return the loss tensor, a dict with the loss tensor under 'loss', or None to skip the step")
+
+
+_MISSING = object()
+
+
 def _batch_outputs(out: Any, automatic: bool, accumulate: int) -> dict[str, Any]:
     """What Lightning passes to ``on_train_batch_end``: a dict whose ``loss`` is detached (in automatic
     optimization divided by ``accumulate_grad_batches``, as the closure's result), ``{}`` for no loss."""
@@ -1047,7 +1061,7 @@ class _Closure:
             out = m.training_step(self.batch, self.batch_idx)
         self.output = out
         # a loss tensor, a dict with "loss", or None (the type check first: an ABC isinstance costs ~2 us)
-        loss = out if type(out) is torch.Tensor else (out["loss"] if isinstance(out, Mapping) else out)
+        loss = out if type(out) is torch.Tensor else step_loss(out)
         if loss is not None and self.accumulate > 1:
             loss = loss / self.accumulate
         if self.zero:

@@ -179,3 +179,22 @@ def test_models_the_global_model_cannot_hold_are_refused_at_set_up(log_dir, mode
     with pytest.raises(ConfigError, match=f"{says}.*Fix: .*{fix}") as err:
         quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor=executor).fit(model(), tiny_data())
     assert "\n" not in str(err.value)
+
+
+class _NoLossKey(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        return {"my_loss": super().training_step(batch, batch_idx)}
+
+
+class _FloatLoss(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+        return 0.5
+
+
+@pytest.mark.parametrize("model,says", [(_NoLossKey, "returned a dict without a 'loss' key"),
+                                        (_FloatLoss, "returned a float as the loss")])
+@pytest.mark.parametrize("executor", ["sequential", "vmap"])
+def test_a_training_step_without_a_loss_tensor_is_refused_with_the_fix(log_dir, model, says, executor):
+    with pytest.raises(ConfigError, match=f"training_step=.*{says}.*Fix: return the loss tensor"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor=executor).fit(model(), tiny_data())

@@ -399,3 +399,13 @@ def test_vmap_refuses_a_training_step_that_changes_a_buffer_and_leaves_the_modul
     assert trainer.round_times == []  # no round finished
     assert all(b is buffers[name] for name, b in m.named_buffers())  # its own buffers, nothing from inside vmap
     quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(m, tiny_data())  # the sequential executor runs it
+
+
+class SkipsOddBatches(TinyClassifier):  # returning None skips a step (sequential runs it, see test_lightning_compat)
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+
+def test_vmap_refuses_a_training_step_that_skips_a_step_naming_the_batch(log_dir):
+    with pytest.raises(ConfigError, match="training_step returned None at batch 1, which skips the step"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap").fit(SkipsOddBatches(), tiny_data())

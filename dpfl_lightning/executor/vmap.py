@@ -14,7 +14,7 @@ from torchmetrics import Metric
 from dpfl_lightning import optimizer_calls
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.executor.base import Executor, RoundWork
-from dpfl_lightning.module import ClientRun, parse_optimizers
+from dpfl_lightning.module import ClientRun, parse_optimizers, step_loss
 from dpfl_lightning.plan import batch_shape
 
 
@@ -52,7 +52,10 @@ class _TrainingStep(nn.Module):
             out = inner.training_step(batch, self.batch_idx)
         finally:
             inner.log, inner.log_dict = saved
-        loss = out["loss"] if isinstance(out, dict) else out
+        loss = step_loss(out)
+        if loss is None:
+            raise ConfigError("trainer.executor", "vmap", f"training_step returned None at batch {self.batch_idx}, which "
+                              "skips the step; vectorised clients take every step together", "use executor='sequential'")
         return loss, logged
 
 
@@ -177,6 +180,8 @@ class VmapExecutor(Executor):
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
         try:
             self._fn(params, batch)  # in the modes the user gave the submodules, as training runs
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure of the vectorised step is a refusal
             raise _refusal(exc) from None
         finally:

@@ -1004,15 +1004,13 @@ class FederatedLightningModule:
 def step_loss(out: Any) -> torch.Tensor | None:
     """The loss in what ``training_step`` returned: a tensor, a dict with a ``"loss"`` tensor, or
     ``None`` (the step is skipped); anything else is refused, as ``lightning.Trainer`` refuses it."""
-    loss = out.get("loss", _MISSING) if isinstance(out, Mapping) else out
-    if loss is None or isinstance(loss, torch.Tensor):
+    mapping = isinstance(out, Mapping)
+    loss = out.get("loss") if mapping else out
+    if isinstance(loss, torch.Tensor) or (loss is None and not mapping):
         return loss
-    what = "a dict without a 'loss' key" if loss is _MISSING else f"a {type(loss).__name__} as the loss"
+    what = "a dict without a 'loss' tensor" if mapping and loss is None else f"a {type(loss).__name__} as the loss"
     raise ConfigError("training_step", type(out).__name__, f"returned {what}",
                       "return the loss tensor, a dict with the loss tensor under 'loss', or None to skip the step")
-
-
-_MISSING = object()
 
 
 def _batch_outputs(out: Any, automatic: bool, accumulate: int) -> dict[str, Any]:

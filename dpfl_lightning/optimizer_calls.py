@@ -15,6 +15,7 @@ Everything else goes through the optimizer's own methods, as under ``lightning.T
 from __future__ import annotations
 
 import sys
+from itertools import chain
 from typing import Any
 
 import torch
@@ -114,24 +115,23 @@ def step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _step_without_new_pre_hooks(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step()`` without the step pre-hooks that the closure registered (there were none
-    before it, see :func:`steps_directly`): ``step(closure)`` runs its pre-hooks before the closure,
-    so under Lightning a pre-hook registered inside ``training_step`` first runs at the next step."""
-    tables = [t for t in (getattr(optimizer, "_optimizer_step_pre_hooks", None), _global_hooks("pre")) if t]
-    if not tables:
+    """``optimizer.step()`` without the step pre-hooks, all of which the closure registered (there were
+    none before it, see :func:`steps_directly`): ``step(closure)`` runs its pre-hooks before the
+    closure, so under Lightning a pre-hook registered inside ``training_step`` first runs at the next
+    step. What torch's step wrapper (``Optimizer.profile_hook_step``) runs after its pre-hooks is run
+    here: the class's step, the profiler's entry point, the post-hooks (the optimizer's own first)."""
+    cls_step = type(optimizer).step
+    pre = getattr(optimizer, "_optimizer_step_pre_hooks", None) or _global_hooks("pre")
+    if not pre or not getattr(cls_step, "hooked", False):
         optimizer.step()
         return
-    saved = [dict(t) for t in tables]
-    for t in tables:
-        t.clear()
-    try:
-        optimizer.step()
-    finally:  # back, in their order, before any registered during the step
-        for hooks, old in zip(tables, saved):
-            later = dict(hooks)
-            hooks.clear()
-            hooks.update(old)
-            hooks.update(later)
+    if "step" in optimizer.__dict__:  # an LR scheduler's counter (the only instance step steps_directly allows)
+        optimizer._opt_called = True
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        _unhooked(cls_step)(optimizer)
+        optimizer._optimizer_step_code()
+        for hook in chain(optimizer._optimizer_step_post_hooks.values(), (_global_hooks("post") or {}).values()):
+            hook(optimizer, (optimizer,), {})
 
 
 def zero_grad(optimizer: torch.optim.Optimizer) -> None:

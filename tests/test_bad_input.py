@@ -192,7 +192,14 @@ class _FloatLoss(TinyClassifier):
         return 0.5
 
 
-@pytest.mark.parametrize("model,says", [(_NoLossKey, "returned a dict without a 'loss' key"),
+class _NoneLoss(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+        return {"loss": None}  # lightning.Trainer refuses it too (None alone skips the step)
+
+
+@pytest.mark.parametrize("model,says", [(_NoLossKey, "returned a dict without a 'loss' tensor"),
+                                        (_NoneLoss, "returned a dict without a 'loss' tensor"),
                                         (_FloatLoss, "returned a float as the loss")])
 @pytest.mark.parametrize("executor", ["sequential", "vmap"])
 def test_a_training_step_without_a_loss_tensor_is_refused_with_the_fix(log_dir, model, says, executor):

@@ -1146,22 +1146,56 @@ class RegistersAPreHookInItsFirstStep(TinyClassifier):
 
     def training_step(self, batch, batch_idx):
         if not self.handles:
-            opt = self.optimizers().optimizer if hasattr(self.optimizers(), "optimizer") else self.optimizers()
-            self.handles = [opt.register_step_pre_hook(lambda o, a, k: self.calls.append("own")),
-                            register_optimizer_step_pre_hook(
-                                lambda o, a, k: self.calls.append("global"))]
+            self.register(self.optimizers().optimizer)
         return super().training_step(batch, batch_idx)
 
+    def register(self, opt):
+        self.handles = [opt.register_step_pre_hook(lambda o, a, k: self.calls.append("own")),
+                        register_optimizer_step_pre_hook(lambda o, a, k: self.calls.append("global"))]
 
+
+class RemovesItsPreHookAfterTheFirstStep(RegistersAPreHookInItsFirstStep):
+    """... and a post-hook that removes the pre-hook: the pre-hook never runs."""
+
+    def register(self, opt):
+        pre = opt.register_step_pre_hook(lambda o, a, k: self.calls.append("pre"))
+
+        def post(o, a, k):
+            self.calls.append("post")
+            pre.remove()
+
+        self.handles = [pre, opt.register_step_post_hook(post)]
+
+
+class StepsASecondOptimizerInAPostHook(RegistersAPreHookInItsFirstStep):
+    """A post-hook steps a second optimizer; the global pre-hook from the first training_step sees
+    that step already (it was registered before it)."""
+
+    def configure_optimizers(self):
+        opt = self.make(self.net[0].parameters())
+        second = torch.optim.SGD(self.net[2].parameters(), lr=0.01)
+        self.handles_post = opt.register_step_post_hook(lambda o, a, k: second.step())
+        return opt
+
+    def register(self, opt):
+        self.handles = [self.handles_post,
+                        register_optimizer_step_pre_hook(lambda o, a, k: self.calls.append(type(o).__name__))]
+
+
+@pytest.mark.parametrize("model,expected", [
+    (RegistersAPreHookInItsFirstStep, ["global", "own"] * 2),  # 3 steps; the hooks see the other two
+    (RemovesItsPreHookAfterTheFirstStep, ["post"] * 3),
+    (StepsASecondOptimizerInAPostHook, ["SGD", "Adam", "SGD", "Adam", "SGD"]),
+], ids=["own-and-global", "removed-by-a-post-hook", "nested-step"])
 @pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=0.01), lambda p: torch.optim.SGD(p, lr=0.1)],
                          ids=["adam", "plain-sgd"])  # optimizer.step(), and the step computed by the loop
-def test_a_step_pre_hook_registered_in_training_step_first_runs_at_the_next_step_as_under_lightning(log_dir, make):
+def test_step_hooks_registered_in_training_step_run_as_under_lightning(log_dir, model, expected, make):
     data = tiny_data(num_clients=1, samples=12)
     data.setup()
     x, y = data.in_memory_tensors
     got = {}
     for who in ("lightning", "dpfl"):
-        m = RegistersAPreHookInItsFirstStep(make)
+        m = model(make)
         try:
             if who == "lightning":
                 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
@@ -1172,6 +1206,6 @@ def test_a_step_pre_hook_registered_in_training_step_first_runs_at_the_next_step
             for h in m.handles:
                 h.remove()
         got[who] = m.calls
-    # 3 steps; the hooks, registered inside the first, see the other two (global ones first)
-    assert got["lightning"] == ["global", "own"] * 2
+    expected = [type(make([torch.nn.Parameter(torch.zeros(1))])).__name__ if c == "Adam" else c for c in expected]
+    assert got["lightning"] == expected
     assert got["dpfl"] == got["lightning"]

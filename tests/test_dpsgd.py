@@ -155,6 +155,36 @@ def test_fix_model_replaces_batchnorm_and_trains(log_dir):
     assert torch.isfinite(fm.global_params).all() and math.isfinite(trainer.history[-1]["my_val_loss"])
 
 
+def _local_model_class():
+    class HoldsALambda(WithBatchNorm):  # defined in a function and holding a lambda: torch.save cannot copy it
+        def __init__(self):
+            super().__init__()
+            self.make_optimizer = lambda params: torch.optim.SGD(params, lr=0.1)
+
+    return HoldsALambda
+
+
+def test_fix_model_fixes_a_model_that_cannot_be_copied(log_dir):
+    dpsgd = DPSGD(noise_multiplier=0.5, fix_model=True)
+    model = _local_model_class()()
+    quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=8, plugins=[dpsgd]).fit(model, tiny_data())
+    assert dpsgd.replaced == ["net.1: BatchNorm1d -> GroupNorm"]
+    assert isinstance(model.net[1], nn.GroupNorm)
+
+
+def test_fix_model_leaves_the_model_as_it_was_when_layers_remain(log_dir, monkeypatch):
+    from opacus.validators import ModuleValidator
+
+    # a fixer whose replacement Opacus still refuses: nothing of the model may change
+    monkeypatch.setitem(ModuleValidator.FIXERS, nn.BatchNorm1d, lambda m, **kw: nn.BatchNorm1d(m.num_features))
+    model = _local_model_class()()
+    layers = dict(model.named_modules())
+    with pytest.raises(ConfigError, match="DPSGD.fix_model=True: layers remain that Opacus cannot handle"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=8,
+                      plugins=[DPSGD(noise_multiplier=0.5, fix_model=True)]).fit(model, tiny_data())
+    assert dict(model.named_modules()) == layers
+
+
 class ActivationWatcher(FederatedCallback):
     """After evaluation (on_round_end), Opacus must hold no activations: evaluation ran under no_grad."""
 

@@ -30,7 +30,7 @@ from opacus import GradSampleModule
 from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
-from opacus.utils.module_utils import has_trainable_params
+from opacus.utils.module_utils import has_trainable_params, trainable_modules
 from opacus.validators import ModuleValidator
 
 from dpfl_lightning import rng
@@ -70,23 +70,23 @@ class _GradSamples(GradSampleModule):
             and type(module) not in (DPRNN, DPLSTM, DPGRU)
 
 
-def _transplant(model: torch.nn.Module, fixed: torch.nn.Module) -> None:
-    """Put the layers ``ModuleValidator.fix`` replaced in its copy ``fixed`` into ``model`` itself."""
-    old = {n: type(m) for n, m in model.named_modules()}
-    done: list[str] = []
-    for name, sub in fixed.named_modules():
-        if not name or name not in old or old[name] is type(sub) or any(name.startswith(d + ".") for d in done):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, sub)
-        done.append(name)
+def _fixes(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
+    """``(name, layer, replacement)`` for every layer of ``model`` that one of Opacus's fixers
+    (``ModuleValidator.FIXERS``: BatchNorm -> GroupNorm, LSTM -> DPLSTM, ...) replaces.
+    ``ModuleValidator.fix`` makes them on a copy of the whole model made with ``torch.save``, which
+    fails for a module holding a lambda or a class defined inside a function: they are made here from
+    the model's own layers."""
+    out = []
+    for name, sub in trainable_modules(model):
+        fixer = ModuleValidator.FIXERS.get(type(sub))
+        if fixer is not None:
+            out.append((name, sub, fixer(sub).to(next(sub.parameters()).device)))
+    return out
 
 
-def _replacements(before: torch.nn.Module, after: torch.nn.Module) -> list[str]:
-    old = {n: type(m).__name__ for n, m in before.named_modules()}
-    return [f"{n or 'model'}: {old.get(n)} -> {type(m).__name__}" for n, m in after.named_modules()
-            if n in old and old[n] != type(m).__name__]
+def _put(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 
 
 class KeyedDPOptimizer(DPOptimizer):
@@ -149,10 +149,11 @@ class DPSGD(FederatedCallback):
             (``delta`` defaults to a power of ten below ``0.1 / n`` for the smallest client's ``n``).
         sampling: ``poisson`` (each record in a batch with probability ``B/n``; Opacus's default)
             or ``fixed`` (``B`` records without replacement per batch).
-        fix_model: replace layers Opacus cannot handle (BatchNorm -> GroupNorm, ...) with
-            ``opacus.validators.ModuleValidator.fix`` instead of failing. The layers are replaced in
-            the module you passed (in place: it is the module that trains and holds the result), and
-            a warning lists them.
+        fix_model: replace layers Opacus cannot handle (BatchNorm -> GroupNorm, ...) with Opacus's
+            fixers (``opacus.validators.ModuleValidator.FIXERS``) instead of failing. The layers are
+            replaced in the module you passed (in place: it is the module that trains and holds the
+            result), and a warning lists them; if layers remain that Opacus cannot handle, the
+            module is left as it was and the run is refused.
         loss_reduction: how the module's loss reduces over a batch (``mean`` or ``sum``).
         accountant: for calibration (``rdp``, ``pld``, ``prv``).
         allow_infinite_epsilon: accept ``noise_multiplier=0`` (clipping only, no guarantee).
@@ -205,13 +206,16 @@ class DPSGD(FederatedCallback):
                               f"Opacus cannot compute per-record gradients for this model: {'; '.join(problems)}",
                               "set DPSGD(fix_model=True) to replace those layers (BatchNorm -> GroupNorm), "
                               "or change the model")
-        fixed = ModuleValidator.fix(model)
-        self.replaced = _replacements(model, fixed)
-        left = _unsupported_layers(fixed)
-        if left:
+        fixes = _fixes(model)
+        for name, _, new in fixes:
+            _put(model, name, new)
+        left = _unsupported_layers(model)
+        if left:  # the model as it was: nothing half-changed
+            for name, old, _ in reversed(fixes):
+                _put(model, name, old)
             raise ConfigError("DPSGD.fix_model", True, f"layers remain that Opacus cannot handle: {'; '.join(left)}",
                               "change the model")
-        _transplant(model, fixed)
+        self.replaced = [f"{name}: {type(old).__name__} -> {type(new).__name__}" for name, old, new in fixes]
         if ctx.is_global_zero:
             message = (f"DPSGD(fix_model=True) changed {type(model).__name__} in place: {', '.join(self.replaced)} "
                        "(the module you passed now has these layers and is the one trained)")

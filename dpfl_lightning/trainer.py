@@ -277,8 +277,8 @@ class FederatedTrainer:
                        for h in HOOKS}
         self._bounders = [p for p in self.plugins if type(p).value_bound is not FederatedCallback.value_bound]
         self._keeps_state = any(p.keeps_client_state for p in self.plugins)  # clients train where it lives
-        self.executor.setup(module, data, [type(p).__name__ for p in
-                                           self._hooks["on_before_optimizer_step"] + self._hooks["wrap_optimizer"]])
+        self.executor.setup(module, data, list(dict.fromkeys(
+            type(p).__name__ for p in self._hooks["on_before_optimizer_step"] + self._hooks["wrap_optimizer"])))
         self.aggregator = PayloadAggregator(run.layout, run.device, self.exact_aggregation)
         self._kinds: dict[str, str] = {}  # the release kind of every metric key
         self._noted = False

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from dpfl_lightning import ConfigError
-from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
+from dpfl_lightning.algorithms import PFL, SCAFFOLD
+from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from helpers import AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data
 
 
@@ -108,9 +109,10 @@ def test_training_step_reads_the_same_trainer_state_under_vmap(log_dir):
     assert all(training for *_, training in seen["vmap"])
 
 
-def test_dpsgd_refuses_the_vmap_executor(log_dir):
-    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap", plugins=[DPSGD(noise_multiplier=1.0)])
-    with pytest.raises(ConfigError, match="trainer.executor"):
+@pytest.mark.parametrize("algorithm,name", [(PFL(noise_multiplier=1.0), "DPSGD"), (SCAFFOLD(), "SCAFFOLD")])
+def test_plugins_that_change_local_steps_refuse_the_vmap_executor_once_each(log_dir, algorithm, name):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor="vmap", algorithm=algorithm)
+    with pytest.raises(ConfigError, match=rf"trainer.executor='vmap': plugins \['{name}'\] change gradients"):
         trainer.fit(TinyClassifier(), tiny_data())
 
 

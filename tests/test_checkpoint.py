@@ -33,8 +33,9 @@ def _trainer(log_dir, **kw):
     return quiet_trainer(log_dir, rounds=6, clients_per_round=5, plugins=_plugins(), seed=11, log_client_metrics=True, **kw)
 
 
-def test_resume_equals_uninterrupted_run(tmp_path):
-    full = _trainer(str(tmp_path / "a"), checkpoint_every=3)
+@pytest.mark.parametrize("executor", ["sequential", "vmap"])
+def test_resume_equals_uninterrupted_run(tmp_path, executor):
+    full = _trainer(str(tmp_path / "a"), checkpoint_every=3, executor=executor)
     ref = full.fit(TinyClassifier(), tiny_data())
     first = os.path.join(full.checkpoint_dir, "round-000003.ckpt")
     state = ckpt.load(first)
@@ -43,7 +44,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert torch.count_nonzero(momentum) > 0  # the server optimizer's state is saved
     assert state["client_states"] and all(isinstance(c, int) for c in state["client_states"])
 
-    resumed = _trainer(str(tmp_path / "b"))
+    resumed = _trainer(str(tmp_path / "b"), executor=executor)
     out = resumed.fit(TinyClassifier(seed=123), tiny_data(), ckpt_path=first)  # different init: overwritten
     assert torch.equal(out.global_params, ref.global_params)
     assert resumed.client_states == full.client_states

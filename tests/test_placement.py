@@ -98,3 +98,22 @@ def test_a_checkpoints_client_state_without_a_plugin_that_keeps_it_is_dropped_on
     with pytest.warns(RuntimeWarning, match="per-client state.*dropped"):
         resumed.fit(TinyClassifier(), tiny_data(), ckpt_path=ckpt)
     assert not any(resumed.client_states.values())
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vmap"])
+def test_only_clients_with_state_are_kept_so_memory_does_not_grow_with_the_clients_seen(tmp_path, executor):
+    class EvenClientsCount(FederatedCallback):
+        keeps_client_state = True
+
+        def on_client_end(self, *, client):
+            if client.client % 2 == 0:
+                client.state["n"] = client.state.get("n", 0) + 1
+
+    plain = quiet_trainer(str(tmp_path / "plain"), rounds=4, clients_per_round=5, executor=executor)
+    plain.fit(TinyClassifier(), tiny_data())
+    assert plain.client_states == {}  # 4 x 5 clients trained, none kept state
+
+    counted = quiet_trainer(str(tmp_path / "counted"), rounds=4, clients_per_round=5, executor=executor,
+                            plugins=[EvenClientsCount()])
+    counted.fit(TinyClassifier(), tiny_data())
+    assert counted.client_states and all(c % 2 == 0 and s["n"] >= 1 for c, s in counted.client_states.items())

@@ -667,6 +667,12 @@ def test_datamodule_iterable_training_set_is_refused(log_dir):
 
     with pytest.raises(ConfigError, match="IterableDataset"):
         quiet_trainer(log_dir, rounds=1).fit(TinyClassifier(), FederatedDataModule.from_datamodule(StreamDM(), num_clients=2))
+    from lightning.pytorch.demos.boring_classes import BoringDataModuleNoLen, BoringModel
+
+    # Lightning's own: its validation and test loaders have no len() either (refused, not a raw TypeError)
+    with pytest.raises(ConfigError, match="training set is an IterableDataset"):
+        quiet_trainer(log_dir, rounds=1).fit(BoringModel(),
+                                             FederatedDataModule.from_datamodule(BoringDataModuleNoLen(), num_clients=2))
 
 
 def test_datamodule_batch_size_that_clients_do_not_use_is_announced(log_dir):

@@ -199,7 +199,9 @@ class FederatedDataModule:
         custom = train_loader.batch_sampler if type(train_loader.batch_sampler) is not BatchSampler else train_loader.sampler
         if type(custom) not in (RandomSampler, SequentialSampler, BatchSampler, type(None)):
             self.train_loader_info["sampler"] = type(custom).__name__
-        test = (test_loader or val_loader).dataset if (test_loader or val_loader) is not None else None
+        # (``loader or other`` would call len() on the loader, which an IterableDataset does not have)
+        held_out = test_loader if test_loader is not None else val_loader
+        test = held_out.dataset if held_out is not None else None
         return train_loader.dataset, test, None
 
     def prepare_data(self, call: bool = True) -> None:
@@ -248,7 +250,9 @@ class FederatedDataModule:
         self._train_ds, self._test_ds = train, test
         self._train_tensors = (tuple(train.tensors) if isinstance(train, TensorDataset) else _materialize(train)) if in_memory else None
         self._test_tensors = None
-        test_loader = self._loaders.get("test") or (self._loaders.get("val") if test is not None else None)
+        test_loader = self._loaders.get("test")
+        if test_loader is None and test is not None:
+            test_loader = self._loaders.get("val")
         if test_loader is not None and not _plain_loader(test_loader):
             pass  # evaluated through the DataModule's own loader
         elif in_memory and test is not None and not isinstance(test, IterableDataset):
@@ -460,7 +464,9 @@ class FederatedDataModule:
     def test_batches(self, batch_size: int | None = None) -> Iterator[Batch]:
         """The global test set, in order (a DataModule's ``test_dataloader``, else its validation set)."""
         self.setup()
-        loader = self._loaders.get("test") or self._loaders.get("val")
+        loader = self._loaders.get("test")
+        if loader is None:
+            loader = self._loaders.get("val")
         if loader is not None:
             return self._from_loader(loader, self._test_tensors)
         return self._sequential(self._test_tensors, self._test_ds, None, batch_size)

@@ -115,6 +115,9 @@ class FederatedTrainer:
             Callbacks that need lightning.Trainer's per-step loop are refused with the reason.
         final_checkpoint: after ``fit``, write the global model to ``<checkpoint_dir>/final.ckpt`` as a
             Lightning checkpoint (``MyModule.load_from_checkpoint`` loads it).
+        test_after_fit: after the last round, also run the module's ``test_step`` on the test set and
+            add its metrics (``test_*``) to the last row. ``lightning.Trainer.fit`` never tests, so
+            the default is ``False``.
 
     What Lightning's notions (epochs, global steps, LR schedulers, hooks) mean in a federated run is
     written down in :mod:`dpfl_lightning.lightning_compat`.
@@ -159,6 +162,7 @@ class FederatedTrainer:
         precision: str | int = "32",
         callbacks: list[Callback] | None = None,
         final_checkpoint: bool = False,
+        test_after_fit: bool = False,
     ) -> None:
         args = {k: v for k, v in locals().items() if k not in ("self", "plugins", "loggers", "algorithm", "callbacks")}
         self.hparams = dict(args, plugins=[repr(p) for p in plugins or []],
@@ -311,7 +315,7 @@ class FederatedTrainer:
                 lightning_run.round_start(r)
                 metrics = self._round(plan, server)
                 row = lightning_run.round_end(r, metrics, self._kinds)  # released row; callbacks may stop the run
-                if r + 1 == self.rounds or self.should_stop:
+                if self.test_after_fit and (r + 1 == self.rounds or self.should_stop):
                     row.update(run.releases.filter(self._tagged(self._final_test(), "evaluation"), self._kinds))
                 self.history.append(row)
                 for lg in loggers:

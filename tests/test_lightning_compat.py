@@ -287,14 +287,15 @@ class HookLog(TinyClassifier):
 
 
 def test_run_level_hooks_run_in_lightnings_order(log_dir):
-    model = HookLog()
-    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2)
-    trainer.fit(model, tiny_data())
     client = ["on_train_epoch_start", "on_train_epoch_end"] * 2
     val = ["on_validation_start", "on_validation_end"]
-    assert model.calls == (["setup", "configure_model", "on_fit_start", "on_train_start"] + client + val + client + val
-                           + ["on_test_start", "on_test_end", "on_train_end", "on_fit_end", "teardown"])
-    assert not torch.equal(model.extra.weight, model.extra_init)
+    for test_after_fit, test in ((False, []), (True, ["on_test_start", "on_test_end"])):
+        model = HookLog()
+        trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, test_after_fit=test_after_fit)
+        trainer.fit(model, tiny_data())
+        assert model.calls == (["setup", "configure_model", "on_fit_start", "on_train_start"] + client + val + client
+                               + val + test + ["on_train_end", "on_fit_end", "teardown"])
+        assert not torch.equal(model.extra.weight, model.extra_init)
 
 
 def test_a_failed_run_tears_down_and_leaves_the_module_clean(log_dir):
@@ -626,7 +627,7 @@ class DictModel(L.LightningModule):
 def test_datamodule_collate_dict_batches_and_validation_set(log_dir, plugins):
     dm = DictDataModule()
     data = FederatedDataModule.from_datamodule(dm, num_clients=4)
-    trainer = quiet_trainer(log_dir, rounds=4, batch_size=4, plugins=plugins)
+    trainer = quiet_trainer(log_dir, rounds=4, batch_size=4, plugins=plugins, test_after_fit=True)
     model = DictModel()
     trainer.fit(model, data)
     last = trainer.history[-1]
@@ -636,6 +637,34 @@ def test_datamodule_collate_dict_batches_and_validation_set(log_dir, plugins):
     assert last["val_loss"] != pytest.approx(last["test_loss"])  # val_dataloader, not the test set
     assert last["val_acc"] > 0.7
     assert dm.torn_down == ["fit"]  # as lightning.Trainer.fit ends
+
+
+def test_fit_runs_no_test_step_unless_asked(log_dir):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class DictBatches(BoringModel):  # trained on dict batches; BoringModel's test_step expects a tensor
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch["inputs"], batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            return super().validation_step(batch["inputs"], batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Records(Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return {"inputs": torch.full((32,), float(i))}
+
+    data = lambda: FederatedDataModule.from_datasets(Records(), Records(), num_clients=2)  # noqa: E731
+    trainer = quiet_trainer(log_dir, rounds=2)
+    trainer.fit(DictBatches(), data())  # as lightning.Trainer.fit: training and validation, no test_step
+    assert not any(k.startswith("test") for row in trainer.history for k in row)
+    with pytest.raises(TypeError):  # asked for: the test runs (and BoringModel's test_step fails on a dict)
+        quiet_trainer(log_dir, rounds=2, test_after_fit=True).fit(DictBatches(), data())
 
 
 def test_label_aware_partitions_read_dict_records(log_dir):
@@ -766,7 +795,7 @@ class ManualTiny(TinyClassifier):
 
 # ---------------------------------------------------------------------------------------- export, lightning.Trainer after fit
 def test_final_checkpoint_loads_with_load_from_checkpoint(log_dir, tmp_path):
-    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=3, final_checkpoint=True,
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=3, final_checkpoint=True, test_after_fit=True,
                             checkpoint_dir=str(tmp_path), plugins=DP_FEDAVG())
     fm = trainer.fit(MLPClassifier(in_features=10, hidden=[8], lr=0.3), tiny_data())
     loaded = MLPClassifier.load_from_checkpoint(str(tmp_path / "final.ckpt"))

@@ -117,7 +117,7 @@ def test_parameters_are_views_of_one_flat_buffer(log_dir):
 
 def test_torchmetrics_metric_objects_are_computed_per_evaluation(log_dir):
     data = tiny_data(dim=10)
-    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4)
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4, test_after_fit=True)
     fm = trainer.fit(MLPClassifier(in_features=10, hidden=[8]), data)
     x, y = data._test_tensors
     with torch.no_grad():

@@ -19,7 +19,8 @@ from dpfl_lightning.reporting import write_report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = ["${env}", "${interpreter}", "-m", "dpfl_lightning", "fit", "--config", "{base}", "${args}"]
 BASE = {"trainer": {"rounds": 2, "clients_per_round": 4, "batch_size": 16, "enable_progress_bar": False,
-                    "enable_summary": False, "algorithm": {"class_path": "dpfl_lightning.algorithms.FedAvg"}},
+                    "enable_summary": False, "test_after_fit": True,
+                    "algorithm": {"class_path": "dpfl_lightning.algorithms.FedAvg"}},
         "model": {"class_path": "dpfl_lightning.models.MLPClassifier",
                   "init_args": {"in_features": 64, "hidden": [8], "num_classes": 10}},
         "data": {"class_path": "dpfl_lightning.data.Digits", "init_args": {"num_clients": 8}}}

@@ -30,7 +30,7 @@ class Algorithm:
         """Check the trainer settings the algorithm prescribes (called at set-up)."""
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
 
 
@@ -304,14 +304,14 @@ class AdaptiveClipping(Algorithm):
 
     name = "adaptive_clipping"
 
-    def __init__(self, base: str = "dp_fedavg", noise_multiplier: float = 1.0, count_noise: float = 1.0,
+    def __init__(self, base: str = "dp_fedavg", noise_multiplier: float = 1.0, count_noise: float | None = None,
                  initial_clip: float = 1.0, target_quantile: float = 0.5, learning_rate: float = 0.2,
                  placement: str = "central", server_lr: float = 1.0, server_momentum: float = 0.0) -> None:
         require(base in ("dp_fedavg", "dp_normfedavg"), "AdaptiveClipping.base", base, "unknown base algorithm",
                 "use 'dp_fedavg' or 'dp_normfedavg'")
         self.base = base
         self.noise_multiplier = noise_multiplier
-        self.count_noise = count_noise
+        self.count_noise = count_noise  # None: expected cohort / 20 (Andrew et al.), known at set-up
         self.initial_clip = initial_clip
         self.target_quantile = target_quantile
         self.learning_rate = learning_rate
@@ -319,12 +319,21 @@ class AdaptiveClipping(Algorithm):
         self.server_lr = server_lr
         self.server_momentum = server_momentum
         self.normalize_update_by_lr = base == "dp_normfedavg"
-        self.update_noise_multiplier = update_noise_multiplier(noise_multiplier, count_noise)
+        if count_noise is not None:  # refuse a split that cannot work now, not at set-up
+            update_noise_multiplier(noise_multiplier, count_noise)
+        self._noise: GaussianNoise | None = None
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """``z_Delta``, the update's share of ``noise_multiplier`` (once the run is set up)."""
+        return self._noise.noise_multiplier
 
     def plugins(self) -> list[FederatedCallback]:
+        self._noise = GaussianNoise(noise_multiplier=self.noise_multiplier, placement=self.placement)
         return [AdaptiveClip(self.initial_clip, self.target_quantile, self.learning_rate, self.count_noise,
-                             self.placement, normalize=self.base == "dp_normfedavg"),
-                GaussianNoise(noise_multiplier=self.update_noise_multiplier, placement=self.placement),
+                             self.placement, normalize=self.base == "dp_normfedavg",
+                             total_noise_multiplier=self.noise_multiplier, update_noise=self._noise),
+                self._noise,
                 ServerOptimizer("sgd", lr=self.server_lr, momentum=self.server_momentum)]
 
 

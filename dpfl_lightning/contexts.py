@@ -46,8 +46,13 @@ class SetupContext:
     weighting: str = "uniform"  # the trainer's client weighting ("uniform" or "samples")
     normalize_update_by_lr: bool = False  # clients send (local - global) / lr
     norm_bounds: list[tuple[int, tuple[str, ...], Callable[[], float]]] = field(default_factory=list)
+    moving_bounds: list[tuple[int, tuple[str, ...], str]] = field(default_factory=list)  # (position, segments, owner)
     positions: dict[int, int] = field(default_factory=dict)  # id(plugin) -> its position in the plugin list
     mechanisms: list = field(default_factory=list)  # every declared mechanism, filled before the ledger's setup
+    #: every plugin's mechanisms as declared now (the bounds of the coming round); the ledger checks
+    #: each round that none has drifted from what it accounts
+    redeclare: Callable[[], list] | None = None
+    num_parameters: int | None = None  # the model's trainable parameter count when planning without a module
 
     @property
     def model(self) -> Any:
@@ -76,6 +81,13 @@ class SetupContext:
             return None
         getters = [c for _, c in touched]
         return lambda: math.sqrt(sum(c() ** 2 for c in getters))
+
+    def moving_bound(self, segments: tuple[str, ...], before: Any) -> str | None:
+        """The name of a bounding plugin running before ``before`` whose bound on ``segments`` moves
+        from round to round (an adaptive clip norm), or ``None`` when every bound is fixed."""
+        limit = self.positions.get(id(before), len(self.positions))
+        return next((owner for pos, segs, owner in self.moving_bounds if pos < limit and set(segs) & set(segments)),
+                    None)
 
 
 @dataclass

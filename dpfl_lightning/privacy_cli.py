@@ -22,9 +22,12 @@ from dpfl_lightning.run_setup import prepare_privacy, setup_plugins
 from dpfl_lightning.sampling import ClientSampler
 
 
-def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: float | None = None) -> PrivacyLedger:
+def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: float | None = None,
+             model: Any = None) -> PrivacyLedger:
     """Set up what the privacy ledger needs (data split, sampler, the plugins' mechanisms and
-    calibration) and return the ledger, without a model or any training."""
+    calibration) and return the ledger, without laying out the model or any training. ``model``
+    (the user's module, as configured) gives the parameter count ``d`` that some mechanisms scale
+    with (CDP-FedEXP's xi); without it they refuse to plan."""
     trainer.comm = trainer.comm or LocalCommunicator()
     ledger = next((p for p in trainer.plugins if isinstance(p, PrivacyLedger)), None)
     if ledger is None and (accountant is not None or delta is not None):
@@ -34,7 +37,8 @@ def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: floa
         ledger.accountant = accountant
     if delta is not None:
         ledger.delta = delta
-    ctx = prepare_privacy(trainer, data)
+    d = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    ctx = prepare_privacy(trainer, data, num_parameters=d or None)
     return setup_plugins(trainer, ctx) or PrivacyLedger()
 
 
@@ -77,6 +81,9 @@ def _calibrate(cfg: Any) -> None:
 
 
 def _plan(cfg: Any) -> None:
+    require(0 < cfg.delta < 1.0 / cfg.records, "--delta", cfg.delta,
+            f"record-level DP over {cfg.records} records per client needs delta well below 1/{cfg.records}",
+            f"set --delta <= {default_delta(cfg.records):g} (or give --records, the records per client)")
     require(all(k >= 1 for k in cfg.local_steps), "--local_steps", cfg.local_steps, "must be >= 1", "give positive K")
     table = Table(title=f"largest number of rounds a client can take part in at epsilon={cfg.epsilon:g}, "
                         f"delta={cfg.delta:g} (record-level DP-SGD, Poisson rate {cfg.record_rate:g}, {cfg.accountant})")
@@ -115,7 +122,7 @@ def run(parser: Any, cfg: Any) -> None:
     if pcfg.privacy_command == "epsilon":
         sub = pcfg.epsilon
         init = parser.instantiate_classes(cfg).privacy.epsilon
-        ledger = plan_run(init.trainer, init.data, sub.accountant, sub.delta)
+        ledger = plan_run(init.trainer, init.data, sub.accountant, sub.delta, getattr(init, "model", None))
         _print_epsilon(init.trainer, ledger)
     elif pcfg.privacy_command == "calibrate":
         _calibrate(pcfg.calibrate)

@@ -32,6 +32,7 @@ from dpfl_lightning.plan import RoundPlan
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
+from dpfl_lightning.privacy.guarantees import Guarantee, guarantees
 from dpfl_lightning.privacy.planning import PrivacyPlanner
 from dpfl_lightning.releases import MetricRelease, ReleaseList
 from dpfl_lightning.sampling import ClientSampler
@@ -128,9 +129,9 @@ def _random_source(trainer: FederatedTrainer) -> rng.RandomSource:
 
 
 def prepare_privacy(trainer: FederatedTrainer, data: Any, module: Any = None,
-                    device: torch.device | None = None) -> SetupContext:
+                    device: torch.device | None = None, num_parameters: int | None = None) -> SetupContext:
     """The data split, client sampler, random source and set-up context of ``trainer`` (also used
-    to plan privacy without a model: ``module=None``)."""
+    to plan privacy without a model: ``module=None``, with the model's ``num_parameters`` if known)."""
     data.setup()
     rate = trainer.sampling_rate
     if trainer.sampling == "poisson" and rate is None and trainer.clients_per_round is not None:
@@ -144,6 +145,7 @@ def prepare_privacy(trainer: FederatedTrainer, data: Any, module: Any = None,
     ctx = SetupContext(module, data, sampler, plan, trainer.rounds, random, planner, device or torch.device("cpu"),
                        trainer.rank, trainer.world_size, trainer.enable_summary, trainer.weighting,
                        trainer.normalize_update_by_lr)
+    ctx.num_parameters = num_parameters
     return ctx
 
 
@@ -158,11 +160,15 @@ def setup_plugins(trainer: FederatedTrainer, ctx: SetupContext) -> PrivacyLedger
     ctx.positions = {id(p): i for i, p in enumerate(plugins)}
     ctx.norm_bounds = [(i, p.segments, (lambda p=p: p.max_norm)) for i, p in enumerate(plugins)
                        if isinstance(p, SensitivityBound)]
+    ctx.moving_bounds = [(i, p.segments, type(p).__name__) for i, p in enumerate(plugins)
+                         if isinstance(p, SensitivityBound) and p.bound_moves]
     ledgers = [p for p in plugins if isinstance(p, PrivacyLedger)]
     for p in plugins:
         if p not in ledgers:
             p.setup(ctx=ctx)
+    calibrate_targets(plugins, ctx)
     collect_mechanisms(plugins, ctx)
+    ctx.redeclare = lambda: collect_mechanisms(plugins, ctx)
     if ctx.mechanisms and not ledgers:
         ledgers = [PrivacyLedger()]
         plugins.append(ledgers[0])
@@ -172,12 +178,34 @@ def setup_plugins(trainer: FederatedTrainer, ctx: SetupContext) -> PrivacyLedger
     return ledgers[0] if ledgers else None
 
 
-def collect_mechanisms(plugins: list, ctx: SetupContext) -> None:
-    """Every mechanism the plugins declare now (also after a resume restored calibrated noise)."""
+def collect_mechanisms(plugins: list, ctx: SetupContext) -> list:
+    """Every mechanism the plugins declare now (also after a resume restored calibrated noise, and
+    every round, for the ledger's check that none has drifted)."""
     ctx.mechanisms = []  # in plugin order: a plugin sees the mechanisms of those before it (FedEXP's xi)
     for p in plugins:
         if not isinstance(p, PrivacyLedger):
             ctx.mechanisms.extend(p.privacy_mechanisms(ctx=ctx))
+    return ctx.mechanisms
+
+
+def calibrate_targets(plugins: list, ctx: SetupContext) -> None:
+    """Give every plugin with a target epsilon (``plugin.calibration``) the smallest noise
+    multiplier for which its guarantee -- composed with every other mechanism the run declares in
+    that guarantee (an adaptive clip's noisy count, FedEXP's xi) -- stays within the target."""
+    for p in plugins:
+        target = getattr(p, "calibration", None)
+        if target is None:
+            continue
+        epsilon, delta, accountant = target
+        name = guarantees(p.privacy_mechanisms(ctx=ctx), ctx.sampler.accounted())[0].name
+
+        def guarantee_at(z: float, p: Any = p, name: str = name) -> Guarantee:
+            p.use_noise_multiplier(z)
+            found = guarantees(collect_mechanisms(plugins, ctx), ctx.sampler.accounted())
+            return next((g for g in found if g.name == name), None) or \
+                next(g for g in found if g.granularity == "client")
+
+        p.use_noise_multiplier(ctx.privacy.calibrate(guarantee_at, epsilon, delta, accountant))
 
 
 def _payload(trainer: FederatedTrainer, ctx: SetupContext, d: int, private: bool, opt_in: bool) -> PayloadLayout:

@@ -69,3 +69,22 @@ def test_distributed_count_noise_and_bad_settings(log_dir):
     assert math.isfinite(t.history[-1]["epsilon"]) and "epsilon_client_distributed_models" in t.history[-1]
     with pytest.raises(ConfigError, match="count_noise"):
         AdaptiveClipping(noise_multiplier=2.0, count_noise=0.5)  # the count alone would exceed the budget
+
+
+def test_count_noise_defaults_to_a_twentieth_of_the_cohort(log_dir):
+    # Andrew et al. use sigma_b = m / 20; the preset splits z so the run spends exactly plain z
+    def run(algorithm):
+        t = quiet_trainer(log_dir, rounds=3, clients_per_round=40, algorithm=algorithm,
+                          plugins=[PrivacyLedger(delta=1e-5)])
+        t.fit(TinyClassifier(), tiny_data(num_clients=60, samples=4))
+        return t
+
+    adaptive = run(AdaptiveClipping(noise_multiplier=1.2))
+    clip = next(p for p in adaptive.plugins if isinstance(p, AdaptiveClip))
+    assert clip.sigma_b == 40 / 20
+    assert adaptive.algorithm.update_noise_multiplier == pytest.approx((1.2**-2 - 4.0**-2) ** -0.5, rel=1e-12)
+    plain = run(DPFedAvg(clip=1.0, noise_multiplier=1.2))
+    assert adaptive.history[-1]["epsilon"] == pytest.approx(plain.history[-1]["epsilon"], rel=1e-9)
+    with pytest.raises(ConfigError, match="count_noise"):  # a cohort of 10: sigma_b = 0.5 < z / 2
+        quiet_trainer(log_dir, rounds=1, clients_per_round=10, algorithm=AdaptiveClipping(noise_multiplier=1.2)).fit(
+            TinyClassifier(), tiny_data(num_clients=20))

@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from dpfl_lightning import rng
-from dpfl_lightning.errors import require
+from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import Segment
 from dpfl_lightning.plugins.gaussian_noise import NOISE_TAIL
 from dpfl_lightning.plugins.sensitivity import SensitivityBound, scale_to_norm_
@@ -33,6 +33,7 @@ from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.releases import MetricRelease
 
 COUNT_NOISE = rng.PLUGIN + 40
+MAX_LEARNING_RATE = 10.0
 
 
 def update_noise_multiplier(total: float, count_noise: float) -> float:
@@ -52,37 +53,57 @@ class AdaptiveClip(SensitivityBound):
         initial_clip: ``C_0``.
         target_quantile: ``gamma`` (their default 0.5).
         learning_rate: ``eta_C`` (their default 0.2).
-        count_noise: ``sigma_b``, the std of the noise on the count (their choice: cohort / 20).
+        count_noise: ``sigma_b``, the std of the noise on the count (default: their choice, expected
+            cohort / 20).
         placement: of the count's noise, ``central`` or ``distributed`` (follow the update's noise).
         normalize: rescale every update to ``C_t`` instead of clipping.
+        total_noise_multiplier / update_noise: give the update's :class:`GaussianNoise` the share
+            ``z_Delta`` of the total ``z`` once ``sigma_b`` is known (the preset does this).
     """
 
+    bound_moves = True
+
     def __init__(self, initial_clip: float = 1.0, target_quantile: float = 0.5, learning_rate: float = 0.2,
-                 count_noise: float = 1.0, placement: str = "central", normalize: bool = False) -> None:
+                 count_noise: float | None = None, placement: str = "central", normalize: bool = False,
+                 total_noise_multiplier: float | None = None, update_noise: Any = None) -> None:
         super().__init__(initial_clip)
         require(0 < target_quantile < 1, "AdaptiveClip.target_quantile", target_quantile, "must be in (0, 1)",
                 "set e.g. 0.5")
-        require(learning_rate > 0, "AdaptiveClip.learning_rate", learning_rate, "must be > 0", "set e.g. 0.2")
-        require(count_noise > 0, "AdaptiveClip.count_noise", count_noise, "must be > 0",
-                "set sigma_b > 0 (an un-noised count is an unaccounted release)")
+        require(isinstance(learning_rate, (int, float)) and 0 < learning_rate <= MAX_LEARNING_RATE,
+                "AdaptiveClip.learning_rate", learning_rate,
+                f"must be in (0, {MAX_LEARNING_RATE:g}]: the bound is multiplied by exp(-learning_rate (b~ - gamma)) "
+                "every round, and larger steps overflow it", "set e.g. 0.2 (Andrew et al.)")
+        require(count_noise is None or (isinstance(count_noise, (int, float)) and 0 < count_noise < math.inf),
+                "AdaptiveClip.count_noise", count_noise, "must be a finite number > 0",
+                "set sigma_b > 0 (an un-noised count is an unaccounted release), or leave it unset (cohort / 20)")
         require(placement in ("central", "distributed"), "AdaptiveClip.placement", placement,
                 "the count's noise is central or distributed", f"use one of {PLACEMENTS[1:]}")
+        require((total_noise_multiplier is None) == (update_noise is None), "AdaptiveClip.update_noise", update_noise,
+                "the split of a total noise multiplier needs both the total and the update's noise plugin",
+                "give total_noise_multiplier and update_noise together (the AdaptiveClipping preset does)")
         self.target_quantile = float(target_quantile)
         self.learning_rate = float(learning_rate)
-        self.count_noise = float(count_noise)
+        self.count_noise = None if count_noise is None else float(count_noise)
         self.placement = placement
         self.only_if_above = not normalize
+        self.total_noise_multiplier = total_noise_multiplier
+        self.update_noise = update_noise
+        self.sigma_b = self.count_noise  # resolved at set-up when unset
         self.quantile_estimates: list[float] = []
 
     def setup(self, *, ctx) -> None:
         self._n = ctx.sampler.expected_cohort
+        # Andrew et al. (Sec. 3 and their experiments): sigma_b = expected cohort / 20
+        self.sigma_b = self.count_noise if self.count_noise is not None else self._n / 20
+        if self.update_noise is not None:  # the update's share of the total (module docstring)
+            self.update_noise.use_noise_multiplier(update_noise_multiplier(self.total_noise_multiplier, self.sigma_b))
 
     def payload_segments(self, *, ctx) -> list[Segment]:
         return [*super().payload_segments(ctx=ctx), Segment("clip_bit", 1, "data", "AdaptiveClip")]
 
     def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
         # the centred count moves by at most 1/2 when a client is added or removed
-        return [Mechanism.gaussian("AdaptiveClip", self.count_noise, 0.5, self.placement, ("clip_bit",))]
+        return [Mechanism.gaussian("AdaptiveClip", self.sigma_b, 0.5, self.placement, ("clip_bit",))]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [*super().released_metrics(ctx=ctx),
@@ -90,7 +111,7 @@ class AdaptiveClip(SensitivityBound):
 
     def value_bound(self, *, segment: str, bound: float | None) -> float | None:
         if segment == "clip_bit":
-            share = self.count_noise / math.sqrt(self._cohort) if self.placement == "distributed" else 0.0
+            share = self.sigma_b / math.sqrt(self._cohort) if self.placement == "distributed" else 0.0
             return 0.5 + NOISE_TAIL * share
         return super().value_bound(segment=segment, bound=bound)
 
@@ -106,7 +127,7 @@ class AdaptiveClip(SensitivityBound):
         bit.fill_((1.0 if norm <= self._round_bound else 0.0) - 0.5)
         if self.placement == "distributed":
             stream = client.random.stream(client.round_idx, client.client, COUNT_NOISE)
-            stream.add_normal_(bit, self.count_noise / math.sqrt(self._cohort))
+            stream.add_normal_(bit, self.sigma_b / math.sqrt(self._cohort))
         if self.log_norms:
             client.payload["raw_norm"].fill_(norm)
             client.payload["raw_norm_sq"].fill_(norm * norm)
@@ -115,12 +136,19 @@ class AdaptiveClip(SensitivityBound):
     def on_aggregate(self, *, server) -> None:
         if self.placement == "central":
             stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, COUNT_NOISE)
-            stream.add_normal_(server.aggregate["clip_bit"], self.count_noise)
+            stream.add_normal_(server.aggregate["clip_bit"], self.sigma_b)
 
     def on_server_update(self, *, server) -> None:
         b = server.aggregate.scalar("clip_bit") / self._n + 0.5
         self.quantile_estimates.append(b)
-        self.max_norm *= math.exp(-self.learning_rate * (b - self.target_quantile))
+        # the noisy fraction can lie far outside [0, 1]: cap the exponent so the bound stays a float
+        step = min(max(-self.learning_rate * (b - self.target_quantile), -600.0), 600.0)
+        moved = self.max_norm * math.exp(step)
+        if not (0.0 < moved < math.inf):
+            raise ConfigError("AdaptiveClip.learning_rate", self.learning_rate,
+                              f"the clip norm left the floating-point range in round {server.round_idx + 1}",
+                              "lower learning_rate (Andrew et al. use 0.2)")
+        self.max_norm = moved
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         super().on_round_end(server=server, metrics=metrics)

@@ -82,11 +82,21 @@ class FedEXP(FederatedCallback):
     def setup(self, *, ctx) -> None:
         check_uniform_weighting("FedEXP", "the global step size is defined for the plain mean of the updates", ctx)
         self._bound = ctx.norm_bound((UPDATE,), before=self)
-        self._d = ctx.module.num_parameters if ctx.module is not None else 1
+        self._d = ctx.module.num_parameters if ctx.module is not None else ctx.num_parameters
         self._num_clients = ctx.sampler.expected_cohort
         if self.variant == "cdp" and self._bound is None:
             raise ConfigError("FedEXP.variant", "cdp", "the squared norms need a bound (C^2) for their noise",
                               "add UpdateClipping(C) before FedEXP")
+        if self.variant in ("cdp", "ldp_gaussian") and self._d is None:
+            raise ConfigError("FedEXP", self.variant, "the step size (and CDP's default sigma_xi = d sigma^2 / M) "
+                              "needs the model's parameter count d, which planning without the model does not know",
+                              "plan with the model in the config (dpfl privacy epsilon --config with a model:)")
+        moving = ctx.moving_bound((UPDATE,), before=self)
+        if self.variant == "cdp" and moving is not None and self.sigma_xi is not None:
+            raise ConfigError("FedEXP.sigma_xi", self.sigma_xi,
+                              f"{moving} moves the clip norm C_t every round, so xi's fixed std would protect squared "
+                              "norms bounded by C_t^2 with a multiplier that moves while the ledger accounts one",
+                              "leave sigma_xi unset (d sigma_t^2 / M follows the bound) or use UpdateClipping(C)")
 
     def payload_segments(self, *, ctx) -> list[Segment]:
         if self.variant in ("plain", "cdp"):
@@ -98,20 +108,32 @@ class FedEXP(FederatedCallback):
     def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
         if self.variant != "cdp":
             return []
-        return [Mechanism.gaussian("FedEXP", self._xi_std_on_sum(ctx), self._bound() ** 2, "central", ("norm_sq",))]
+        # a sum of squared norms in [0, C^2]: adding, removing or replacing one client moves it by C^2
+        # at most (paper 002 App. E: sensitivity C^2 / M on the mean)
+        c_sq = self._bound() ** 2
+        return [Mechanism.gaussian("FedEXP", self._xi_std(self._update_multiplier(ctx), self._bound()), c_sq,
+                                   "central", ("norm_sq",), replace_sensitivity=c_sq)]
 
-    def _xi_std_on_sum(self, ctx) -> float:
-        """The std of ``xi`` on the *sum* of squared norms (``M sigma_xi``)."""
-        M = self._num_clients
+    def _update_multiplier(self, ctx) -> float | None:
+        """The noise multiplier of the Gaussian noise on the update (``None`` with ``sigma_xi`` given)."""
         if self.sigma_xi is not None:
-            return M * self.sigma_xi
+            return None
         update = [m for m in ctx.mechanisms if m.source != "FedEXP" and UPDATE in m.covers and m.is_gaussian]
         if not update:
             raise ConfigError("FedEXP", "cdp", "sigma_xi defaults to d sigma^2 / M, but no Gaussian noise covers the "
                               "update", "add GaussianNoise(noise_multiplier=..., placement='central') or give sigma_xi")
-        sigma_sum = update[0].noise_multiplier * update[0].sensitivity  # std on the sum of updates
-        sigma = sigma_sum / math.sqrt(M)  # paper 002: the mean carries N(0, sigma^2 / M)
-        return M * (self._d * sigma**2 / M)  # M sigma_xi with sigma_xi = d sigma^2 / M
+        return update[0].noise_multiplier
+
+    def _xi_std(self, z: float | None, clip: float) -> float:
+        """The std of ``xi`` on the *sum* of squared norms (``M sigma_xi``) in a round whose clip norm is
+        ``clip``: ``sigma_xi = d sigma^2 / M`` with ``sigma = z C / sqrt(M)`` the std of the update
+        noise on the mean (eq. (7), Theorem 4.6), so xi's multiplier ``d z^2 / M`` stays fixed when an
+        adaptive clip moves ``C``."""
+        M = self._num_clients
+        if z is None:
+            return M * self.sigma_xi
+        sigma = z * clip / math.sqrt(M)  # paper 002: the mean carries N(0, sigma^2 / M)
+        return M * (self._d * sigma**2 / M)
 
     def on_fit_start(self, *, ctx) -> None:
         if self.variant == "ldp_gaussian":
@@ -127,7 +149,7 @@ class FedEXP(FederatedCallback):
                               "add PrivUnitRandomizer(eps0, eps1, eps2) with UpdateClipping(C) before FedEXP, use "
                               "the preset LDPFedEXP(randomizer='privunit'), or use another variant")
         if self.variant == "cdp":
-            self._xi_std = self._xi_std_on_sum(ctx)
+            self._z_update = self._update_multiplier(ctx)
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [MetricRelease("eta_g", "noised", "FedEXP", "the global step size, from noised sums")]
@@ -140,6 +162,10 @@ class FedEXP(FederatedCallback):
         return None  # a noised update's squared norm has no useful bound: kept rows, two-pass sum
 
     # ------------------------------------------------------------------ a round
+    def before_round(self, *, plan, server) -> None:
+        if self.variant == "cdp":  # the clip norm of this round (an adaptive bound moves between rounds)
+            self._round_xi_std = self._xi_std(self._z_update, self._bound())
+
     def on_client_end(self, *, client) -> None:
         if "norm_sq" in client.payload:  # after every other plugin: the clipped (and, LDP, noised) update
             u = client.payload[UPDATE]
@@ -148,7 +174,7 @@ class FedEXP(FederatedCallback):
     def on_aggregate(self, *, server) -> None:
         if self.variant == "cdp":  # xi on the sum of squared norms: a central Gaussian release
             stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, XI_NOISE)
-            stream.add_normal_(server.aggregate["norm_sq"], self._xi_std)
+            stream.add_normal_(server.aggregate["norm_sq"], self._round_xi_std)
 
     def step_size(self, server) -> float:
         """``eta_g`` of this round (eqs. (2), (6), (7), (8))."""

@@ -40,7 +40,6 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
-from dpfl_lightning.privacy.guarantees import guarantees
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.releases import MetricRelease
 
@@ -49,12 +48,23 @@ from dpfl_lightning.releases import MetricRelease
 NOISE_TAIL = 50.0
 
 
-def check_noise_multiplier(owner: str, value: float | None, allow_infinite_epsilon: bool) -> None:
-    """Refuse a noise multiplier of 0 (epsilon = inf) unless the user says so explicitly."""
+#: noise multipliers outside this range are refused: below it epsilon is astronomically large (no
+#: guarantee worth the name), above it the noise drowns any update and the accountants overflow
+MULTIPLIER_RANGE = (1e-4, 1e6)
+
+
+def check_noise_multiplier(owner: str, value: float | None, allow_infinite_epsilon: bool,
+                           setting: str = "noise_multiplier") -> None:
+    """Refuse a noise multiplier of 0 (epsilon = inf) unless the user says so explicitly, and one
+    outside :data:`MULTIPLIER_RANGE`."""
     if value is None:
         return
-    require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, f"{owner}.noise_multiplier",
-            value, "must be a finite number >= 0", "set noise_multiplier > 0")
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
+            f"{owner}.{setting}", value, "must be a finite number >= 0", f"set {setting} to a positive number")
+    lo, hi = MULTIPLIER_RANGE
+    require(value == 0 or lo <= value <= hi, f"{owner}.{setting}", value,
+            f"a noise multiplier outside [{lo:g}, {hi:g}] either gives no meaningful guarantee or drowns every update",
+            f"set {setting} in [{lo:g}, {hi:g}] (typical: 0.5 to 20)")
     require(value > 0 or allow_infinite_epsilon, f"{owner}.noise_multiplier", value,
             "a noise multiplier of 0 adds no noise: epsilon is infinite, there is no DP guarantee",
             f"set noise_multiplier > 0, or {owner}(allow_infinite_epsilon=True) to run without noise knowingly")
@@ -94,8 +104,8 @@ class GaussianNoise(FederatedCallback):
         require(delta is None or 0 < delta < 1, "GaussianNoise.delta", delta, "must be in (0, 1)",
                 "set delta well below 1/num_clients")
         if std is not None:
-            require(math.isfinite(std) and std >= 0, "GaussianNoise.std", std, "must be a finite number >= 0",
-                    "set std to a non-negative value")
+            require(isinstance(std, (int, float)) and not isinstance(std, bool) and math.isfinite(std) and std >= 0,
+                    "GaussianNoise.std", std, "must be a finite number >= 0", "set std to a non-negative value")
             require(std > 0 or allow_infinite_epsilon, "GaussianNoise.std", std, "std 0 adds no noise: no DP guarantee",
                     "set std > 0, or allow_infinite_epsilon=True to run without noise knowingly")
         check_noise_multiplier("GaussianNoise", noise_multiplier, allow_infinite_epsilon)
@@ -143,11 +153,29 @@ class GaussianNoise(FederatedCallback):
                               f"a noise multiplier needs a norm bound on {list(self.segments)} to scale, and no "
                               "UpdateClipping or UpdateNormalization bounds them before the noise",
                               "add UpdateClipping(C) or UpdateNormalization(C) to the plugins, or give std=")
+        moving = ctx.moving_bound(self.segments, before=self)
+        if moving is not None and self.std is not None:
+            raise ConfigError("GaussianNoise.std", self.std,
+                              f"{moving} moves the norm bound C_t every round, so a fixed std's noise multiplier "
+                              "std / C_t would move with it while the ledger accounts one multiplier",
+                              "give noise_multiplier= (sigma_t = z C_t follows the bound) or target_epsilon=")
+        if self.std is not None and self._bound is not None and self.std > 0:
+            check_noise_multiplier("GaussianNoise", self.std / self._bound(), False, "std / C")
         if self.target_epsilon is not None:
             if self.delta is None:
                 self.delta = ctx.privacy.default_delta("client")
-            main = lambda z: guarantees([self._mechanism(z)], ctx.sampler.accounted())[0]  # noqa: E731
-            self.noise_multiplier = ctx.privacy.calibrate(main, self.target_epsilon, self.delta, self.accountant)
+            self.noise_multiplier = 1.0  # a placeholder: the run calibrates the composition (see `calibration`)
+
+    @property
+    def calibration(self) -> tuple[float, float, str] | None:
+        """``(target_epsilon, delta, accountant)`` when the run must calibrate this plugin's noise
+        multiplier (after every plugin's set-up, so that the target holds for the composition of
+        every mechanism in its guarantee, e.g. with an adaptive clip's noisy count), else ``None``."""
+        return None if self.target_epsilon is None else (self.target_epsilon, self.delta, self.accountant)
+
+    def use_noise_multiplier(self, z: float) -> None:
+        """Set the calibrated multiplier (``sigma = z C``)."""
+        self.noise_multiplier = float(z)
 
     def _mechanism(self, z: float) -> Mechanism:
         c = self.sensitivity

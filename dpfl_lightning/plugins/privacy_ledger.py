@@ -28,6 +28,7 @@ from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.base import ORDER_LEDGER, FederatedCallback
 from dpfl_lightning.privacy.accountants import ACCOUNTANTS, PLD_DISCRETIZATION, epsilon
 from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, guarantees
+from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.releases import MetricRelease
 
 
@@ -73,10 +74,13 @@ class PrivacyLedger(FederatedCallback):
         self._planner = None
         self._sampler = None
         self._random = None
+        self._declared: list[Mechanism] = []
+        self._redeclare = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self, *, ctx) -> None:
         self._planner, self._sampler, self._random = ctx.privacy, ctx.sampler, ctx.random
+        self._declared, self._redeclare = list(ctx.mechanisms), ctx.redeclare
         self.secure = ctx.secure
         self.guarantees = guarantees(ctx.mechanisms, ctx.sampler.accounted())
         self._cache.clear()
@@ -234,6 +238,8 @@ class PrivacyLedger(FederatedCallback):
         return eps if eps > self.budget else None
 
     def before_round(self, *, plan, server) -> None:
+        if self._redeclare is not None:  # every plugin has set this round's bounds and noise by now
+            check_unchanged(self._declared, self._redeclare(), plan.round_idx)
         eps = self._over_budget(plan)
         if eps is not None:
             server.stop(f"privacy budget: round {plan.round_idx + 1} would reach epsilon {eps:.4g} > budget "
@@ -296,3 +302,31 @@ class PrivacyLedger(FederatedCallback):
                 self._busiest[g.name] = self._maxima(g, self.counts[g.name])
         self._saved = state
         self._cache.clear()
+
+
+def _weaker(before: Mechanism, now: Mechanism) -> str | None:
+    """How ``now`` protects less than ``before`` (``None``: it does not)."""
+    if (before.source, before.covers, before.placement, before.granularity) != \
+            (now.source, now.covers, now.placement, now.granularity):
+        return f"{before.source} now declares {now.description} on {list(now.covers)}"
+    if before.is_gaussian and now.is_gaussian:
+        z0, z1 = before.replace_one.noise_multiplier, now.replace_one.noise_multiplier
+        return None if z1 >= z0 * (1 - 1e-9) else f"{before.source}'s noise fell from {before.description} to " \
+            f"{now.description}"
+    return None if (before.replace_one, before.add_remove) == (now.replace_one, now.add_remove) else \
+        f"{before.source} changed from {before.description} to {now.description}"
+
+
+def check_unchanged(declared: list[Mechanism], now: list[Mechanism], round_idx: int) -> None:
+    """Refuse to run round ``round_idx`` when a mechanism in force is weaker than what the ledger
+    accounts (a plugin whose noise did not follow a bound another plugin moved, say): every
+    mechanism's multiplier must come from the bound in force in the round it is used."""
+    problems = [_weaker(b, n) for b, n in zip(declared, now)]
+    if len(declared) != len(now):
+        problems.append(f"{len(declared)} mechanisms were accounted and {len(now)} are declared now")
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError("privacy mechanisms", f"round {round_idx + 1}", "; ".join(problems) + ": the ledger "
+                          "accounts the mechanisms declared at set-up, so epsilon would be understated",
+                          "make every noise scale with the bound in force (noise_multiplier=, not a fixed std), or "
+                          "drop the plugin that moves the bound")

@@ -57,6 +57,11 @@ class PrivUnitRandomizer(FederatedCallback):
         if bound is None:
             raise ConfigError("PrivUnitRandomizer", "update", "ScalarDP needs the update's norm bound C",
                               "add UpdateClipping(C) before it")
+        moving = ctx.moving_bound((UPDATE,), before=self)
+        if moving is not None:
+            raise ConfigError("PrivUnitRandomizer", moving, "ScalarDP's range [0, C] and PrivUnit's constants are "
+                              "fixed at set-up, but this bound moves every round (a norm above the first C would "
+                              "break the randomizer's guarantee)", "use UpdateClipping(C) before PrivUnitRandomizer")
         self._C = bound()
         d = ctx.module.num_parameters if ctx.module is not None else 2
         self.consts = privunit.privunit_constants(d, self.eps0, self.eps1, self.eps2, self._C, self.gamma_rule)

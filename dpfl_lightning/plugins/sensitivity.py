@@ -93,6 +93,9 @@ class SensitivityBound(FederatedCallback):
 
     order = ORDER_BOUND_SENSITIVITY
     only_if_above = True
+    #: True when ``max_norm`` changes between rounds (adaptive clipping): every mechanism scaled to
+    #: this bound must then follow it round by round, or be refused at set-up
+    bound_moves = False
 
     def __init__(self, max_norm: float, segments: tuple[str, ...] | list[str] = (UPDATE,), log_norms: bool = False) -> None:
         require(isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0,

@@ -48,9 +48,11 @@ def _effective_gaussian(events: tuple[dp_accounting.DpEvent, ...]) -> float | No
     ``(sum z_i^-2)^(-1/2)`` (their privacy losses add as one Gaussian's); ``None`` otherwise."""
     if not events or not all(isinstance(e, dp_accounting.GaussianDpEvent) for e in events):
         return None
-    if any(e.noise_multiplier == 0 for e in events):
+    zs = [float(e.noise_multiplier) for e in events]
+    if any(z == 0 for z in zs):
         return 0.0
-    return sum(e.noise_multiplier**-2 for e in events) ** -0.5
+    low = min(zs)  # scaled by the smallest, so that neither z^-2 of a tiny z nor of a huge one leaves the floats
+    return low / math.sqrt(sum((low / z) ** 2 for z in zs))
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,8 @@ def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
     _check(delta)
     require(accountant in ACCOUNTANTS, "privacy.accountant", accountant, "unknown accountant",
             f"use one of {', '.join(ACCOUNTANTS)}")
-    require(steps >= 0, "steps", steps, "must be >= 0", "count compositions from 0")
+    require(isinstance(steps, (int, np.integer)) and not isinstance(steps, bool) and steps >= 0, "steps", steps,
+            "must be a whole number of compositions >= 0", "count compositions (rounds, local steps) as integers")
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:
         return Epsilon(math.inf, accountant, "no noise")
     note = _unamplified(release)[1]

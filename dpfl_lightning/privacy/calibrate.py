@@ -33,6 +33,11 @@ def _validate(target_epsilon: float, delta: float, accountant: str) -> None:
             f"use one of {', '.join(ACCOUNTANTS)}")
 
 
+def _check_sampling_rate(rate: float) -> None:
+    require(isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and 0 < rate <= 1,
+            "sampling_rate", rate, "must be a number in (0, 1]", "give the fraction of units sampled per step, e.g. 0.01")
+
+
 def _bracket(eps: Callable[[float], float], target_epsilon: float) -> tuple[float, float]:
     """Noise multipliers ``lo < hi`` with ``eps(lo) > target >= eps(hi)`` (or ``lo`` at ``Z_MIN``),
     found by factors of 4 from 1."""
@@ -86,6 +91,7 @@ def calibrate_noise(target_epsilon: float, delta: float, steps: int, sampling_ra
 
     ``sampling`` defaults to ``poisson`` when ``sampling_rate < 1`` and ``none`` otherwise.
     """
+    _check_sampling_rate(sampling_rate)
     if sampling is None:
         sampling = "poisson" if sampling_rate < 1 else "none"
     return calibrate_release(GaussianRelease(1.0, sampling, sampling_rate, relation, population, sample_size),
@@ -96,7 +102,7 @@ def calibrate_release(base: Release, target_epsilon: float, delta: float, steps:
                       accountant: str = "rdp", rtol: float = 0.01) -> float:
     """:func:`calibrate_noise` for the sampling and relation of ``base`` (its multiplier is ignored)."""
     _validate(target_epsilon, delta, accountant)
-    require(isinstance(steps, int) and steps >= 1, "rounds", steps, "must be an integer >= 1", "set rounds >= 1")
+    require(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "rounds", steps, "must be an integer >= 1", "set rounds >= 1")
 
     def exact(z: float) -> float:
         return epsilon(base.with_noise_multiplier(z), steps, delta, accountant).epsilon
@@ -131,7 +137,10 @@ def max_steps(noise_multiplier: float, target_epsilon: float, delta: float, samp
     """The largest number of compositions with epsilon at most ``target_epsilon`` (0 if even one
     step exceeds it)."""
     _validate(target_epsilon, delta, accountant)
-    require(noise_multiplier > 0, "noise_multiplier", noise_multiplier, "must be > 0", "give a positive noise multiplier")
+    require(isinstance(noise_multiplier, (int, float)) and not isinstance(noise_multiplier, bool)
+            and math.isfinite(noise_multiplier) and noise_multiplier > 0, "noise_multiplier", noise_multiplier,
+            "must be a finite number > 0", "give a positive noise multiplier")
+    _check_sampling_rate(sampling_rate)
     if sampling is None:
         sampling = "poisson" if sampling_rate < 1 else "none"
     release = GaussianRelease(noise_multiplier, sampling, sampling_rate, relation, population, sample_size)

@@ -14,7 +14,8 @@ epsilon-DP local randomizer such as PrivUnit) together with:
 
 Events are given for both neighbouring relations: ``add_remove`` (one unit more or less; the
 distance between two neighbours' sums of ``C``-bounded contributions is ``C``) and
-``replace_one`` (one unit's data replaced: ``2C``). A Gaussian's multiplier is its standard
+``replace_one`` (one unit's data replaced: ``2C`` for a vector of norm at most ``C``, but ``B`` for a
+value in ``[0, B]``, such as FedEXP's squared norms). A Gaussian's multiplier is its standard
 deviation over that distance. A pure epsilon-DP local randomizer is accounted as binary
 randomized response with the same epsilon, the dominating pair of every pure epsilon-DP mechanism
 (Kairouz, Oh, Viswanath 2015), valid under replace-one.
@@ -83,11 +84,18 @@ class Mechanism:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def gaussian(cls, source: str, std: float, sensitivity: float, placement: str, covers: tuple[str, ...],
-                 granularity: str = "client") -> Mechanism:
-        """``N(0, std^2 I)`` on a sum of contributions of L2 norm at most ``sensitivity``."""
+                 granularity: str = "client", replace_sensitivity: float | None = None) -> Mechanism:
+        """``N(0, std^2 I)`` on a sum of contributions of L2 norm at most ``sensitivity``: adding or
+        removing one moves the sum by ``sensitivity``, replacing one by ``replace_sensitivity``
+        (default ``2 sensitivity``; a sum of values in ``[0, B]`` moves by ``B`` either way)."""
+        require(math.isfinite(std) and std >= 0, f"{source} noise std", std, "must be a finite number >= 0",
+                "give a finite, non-negative noise scale")
         z = std / sensitivity
+        replace = 2 * sensitivity if replace_sensitivity is None else replace_sensitivity
+        require(math.isfinite(z), f"{source} noise multiplier", z, "std / sensitivity must be finite",
+                "give a noise scale and bound whose ratio is a finite number")
         return cls(source, granularity, placement, dp_accounting.GaussianDpEvent(z),
-                   dp_accounting.GaussianDpEvent(z / 2), sensitivity, tuple(covers),
+                   dp_accounting.GaussianDpEvent(std / replace), sensitivity, tuple(covers),
                    f"Gaussian noise std {std:.4g} on contributions of L2 norm <= {sensitivity:.4g} (multiplier {z:.4g})",
                    noise_multiplier=z)
 

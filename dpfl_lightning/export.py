@@ -7,6 +7,11 @@ the module's ``on_save_checkpoint`` adds. It holds no optimizer state (clients h
 lasts a round), so ``lightning.Trainer.fit(ckpt_path=...)`` refuses it as weights-only;
 ``load_from_checkpoint`` and ``Trainer.test(model, ckpt_path=...)`` take it. The global model is
 what every participant sees, so exporting it releases nothing beyond the run's guarantee.
+
+The run's own checkpoints (``round-*.ckpt``, ``last.ckpt``) carry the same fields next to the run's
+state, so ``load_from_checkpoint`` reads them too. Those of a DP run also hold the privacy ledger's
+records (Python objects that torch's weights-only loading refuses): load them with
+``weights_only=False`` when you trust the file, or load ``final.ckpt``.
 """
 
 from __future__ import annotations

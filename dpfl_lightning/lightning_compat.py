@@ -396,6 +396,18 @@ class LightningRun:
             module.teardown()
 
     # ------------------------------------------------------------------ export
+    def lightning_fields(self, rounds_done: int) -> dict[str, Any]:
+        """What a Lightning checkpoint of the global model holds (``state_dict``, hyperparameters,
+        ``epoch``, ``global_step``, Lightning's version), for the run's own checkpoints: with them
+        ``MyModule.load_from_checkpoint("last.ckpt")`` loads the global model of that round too."""
+        from dpfl_lightning.export import lightning_checkpoint
+
+        module = self.module
+        module.load_global()
+        datamodule = getattr(self.data, "datamodule", None)
+        return lightning_checkpoint(module.inner, rounds_done, rounds_done * module.loop.steps_reference,
+                                    datamodule if hasattr(datamodule, "CHECKPOINT_HYPER_PARAMS_KEY") else None)
+
     def save_lightning_checkpoint(self, path: str, epoch: int, global_step: int) -> None:
         """The global model as a Lightning checkpoint (rank 0 writes; every rank calls this)."""
         self.trainer.save_lightning_checkpoint(path, epoch, global_step)

@@ -596,6 +596,7 @@ class FederatedTrainer:
                           "that took part, so successive checkpoints reveal the cohorts that the guarantee keeps "
                           "secret: keep checkpoints as private as the clients' data", stacklevel=2)
         return {
+            **self._lightning_run.lightning_fields(rounds_done),  # Lightning's load_from_checkpoint reads these
             "format": ckpt.FORMAT,
             "round": rounds_done,
             "global_params": self.module.global_params.detach().cpu().clone(),

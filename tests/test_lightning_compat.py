@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from dpfl_lightning import ConfigError, FederatedDataModule
 from dpfl_lightning.models import MLPClassifier
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
+from dpfl_lightning.plugins.base import FederatedCallback
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
 
 DP_FEDAVG = lambda: [UpdateClipping(1.0), GaussianNoise(noise_multiplier=0.3)]  # noqa: E731
@@ -809,6 +810,27 @@ def test_final_checkpoint_loads_with_load_from_checkpoint(log_dir, tmp_path):
     results = _lightning_trainer().test(loaded, DataLoader(TensorDataset(*data._test_tensors), batch_size=16),
                                         verbose=False)
     assert results[0]["test_acc"] == pytest.approx(trainer.final_metrics["test_acc"], abs=1e-6)
+
+
+def test_run_checkpoints_load_with_load_from_checkpoint(log_dir, tmp_path):
+    seen = []
+
+    class Spy(FederatedCallback):
+        def on_round_end(self, *, server, metrics):
+            seen.append(server.global_params.clone())
+
+    for dp in (False, True):
+        seen.clear()
+        where = tmp_path / str(dp)
+        trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=3, checkpoint_every=1, checkpoint_dir=str(where),
+                                plugins=[*(DP_FEDAVG() if dp else []), Spy()])
+        trainer.fit(MLPClassifier(in_features=10, hidden=[8], lr=0.3), tiny_data())
+        # a DP run's checkpoint holds the privacy ledger's records, which torch's weights-only loading refuses
+        kw = {"weights_only": False} if dp else {}
+        for name, params in (("round-000001.ckpt", seen[0]), ("last.ckpt", seen[1])):
+            loaded = MLPClassifier.load_from_checkpoint(str(where / name), **kw)  # Lightning reads the run's file
+            assert loaded.hparams.lr == 0.3
+            assert torch.equal(torch.cat([p.detach().flatten() for p in loaded.parameters()]), params)
 
 
 @pytest.mark.parametrize("plugins", [[], DP_FEDAVG(), [DPSGD(noise_multiplier=0.5, fix_model=True)]],

@@ -342,3 +342,31 @@ def test_privunit_draws_from_the_csprng_in_secure_mode(log_dir, monkeypatch):
         outs.setdefault(secure, []).append(after.updates[0])
     assert seen[:2] == [rng.SecureStream] * 2 and rng.SecureStream not in seen[2:]
     assert torch.equal(outs[False][0], outs[False][1])
+
+
+def test_paper_002_convention_replace_one_doubles_the_update_not_xi():
+    # paper 002 App. E: replace-one neighbours, sensitivity 2C for the mean update and C^2 (not 2C^2) for
+    # the squared norms; full participation. Recomputed here with dp_accounting's RDP accountant.
+    from dpfl_lightning import FederatedTrainer
+    from dpfl_lightning.privacy_cli import plan_run
+
+    z, rounds, M = 5.0, 50, 20
+    model = TinyClassifier()
+    d = sum(p.numel() for p in model.parameters())
+    xi = d * z**2 / M  # the xi multiplier on C^2 with the default sigma_xi = d sigma^2 / M
+
+    def planned(relation):
+        t = FederatedTrainer(rounds=rounds, algorithm=CDPFedEXP(clip=1.0, noise_multiplier=z), enable_summary=False,
+                             plugins=[PrivacyLedger(delta=1e-5, relation=relation)])
+        ledger = plan_run(t, tiny_data(num_clients=M), model=model)
+        return ledger.planned_epsilons(rounds)["client_central"], ledger.describe()[0]
+
+    def independent(update_multiplier):
+        acc = dp_rdp.RdpAccountant()
+        acc.compose(dp_accounting.GaussianDpEvent((update_multiplier**-2 + xi**-2) ** -0.5), rounds)
+        return acc.get_epsilon(1e-5)
+
+    replace_one, line = planned("replace_one")
+    assert replace_one == pytest.approx(independent(z / 2), rel=1e-9) and "replace-one neighbours" in line
+    add_remove, line = planned(None)
+    assert add_remove == pytest.approx(independent(z), rel=1e-9) and "add/remove neighbours" in line

@@ -44,21 +44,28 @@ class PrivacyLedger(FederatedCallback):
             per round) or ``prv`` (Opacus PRV; Poisson or no sampling only, slow). Default: the
             accountant a calibrated plugin used, else ``rdp``.
         budget: stop before a round that would take epsilon above this.
+        relation: ``None`` (the sampling's natural relation: add/remove, or replace-one for fixed-size
+            cohorts) or ``"replace_one"``: account a run without client sampling under replace-one
+            neighbours (papers 000 and 002 do; it doubles the update's sensitivity, not that of a
+            sum of values in ``[0, B]`` such as FedEXP's squared norms).
     """
 
     order = ORDER_LEDGER
 
     def __init__(self, delta: float | None = None, accountant: str | None = None, budget: float | None = None,
-                 pld_discretization: float = PLD_DISCRETIZATION) -> None:
+                 pld_discretization: float = PLD_DISCRETIZATION, relation: str | None = None) -> None:
         require(accountant is None or accountant in ACCOUNTANTS, "PrivacyLedger.accountant", accountant,
                 "unknown accountant", f"use one of {', '.join(ACCOUNTANTS)}")
         require(delta is None or (isinstance(delta, (int, float)) and 0 < delta < 1), "PrivacyLedger.delta", delta,
                 "must be in (0, 1)", "set delta well below 1/N, e.g. 1e-5")
         require(budget is None or (math.isfinite(budget) and budget > 0), "PrivacyLedger.budget", budget,
                 "must be a finite epsilon > 0", "set a positive budget or leave it unset")
+        require(relation in (None, "replace_one"), "PrivacyLedger.relation", relation, "unknown relation",
+                "leave it unset, or use 'replace_one' (runs without client sampling)")
         self.delta = delta
         self.accountant = accountant
         self.budget = budget
+        self.relation = relation
         self.pld_discretization = pld_discretization
         self.guarantees: list[Guarantee] = []
         self.rounds = 0
@@ -82,7 +89,11 @@ class PrivacyLedger(FederatedCallback):
         self._planner, self._sampler, self._random = ctx.privacy, ctx.sampler, ctx.random
         self._declared, self._redeclare = list(ctx.mechanisms), ctx.redeclare
         self.secure = ctx.secure
-        self.guarantees = guarantees(ctx.mechanisms, ctx.sampler.accounted())
+        sampling = ctx.sampler.accounted()
+        require(self.relation is None or sampling.kind == "full" or sampling.rate >= 1, "PrivacyLedger.relation",
+                self.relation, f"replace-one is accounted here for runs without client sampling ({sampling.kind} "
+                "sampling is accounted under its own relation)", "leave relation unset")
+        self.guarantees = guarantees(ctx.mechanisms, sampling, self.relation)
         self._cache.clear()
         if not self.guarantees:
             return

@@ -83,8 +83,10 @@ def _record_release(mech: Mechanism, p: RecordProfile) -> Release:
                            sample_size=p.batch)
 
 
-def _models_release(mechs: list[Mechanism], sampling: Sampling) -> Release:
-    if any(m.add_remove is None for m in mechs):  # a local randomizer: replace-one, not amplified
+def _models_release(mechs: list[Mechanism], sampling: Sampling, relation: str | None = None) -> Release:
+    if any(m.add_remove is None for m in mechs) or \
+            (relation == "replace_one" and (sampling.kind == "full" or sampling.rate >= 1)):
+        # a local randomizer: replace-one, not amplified; or replace-one asked for (papers 000 and 002)
         return Release(tuple(m.event("replace_one") for m in mechs), "none", 1.0, "replace_one")
     if sampling.kind == "poisson" and sampling.rate < 1:
         return Release(tuple(m.event("add_remove") for m in mechs), "poisson", sampling.rate, "add_remove")
@@ -98,8 +100,11 @@ def _names(mechs: list[Mechanism]) -> str:
     return ", ".join(sorted({m.source for m in mechs}))
 
 
-def guarantees(mechanisms: list[Mechanism], sampling: Sampling) -> list[Guarantee]:
-    """The guarantees of a run (see the module table); the first is the one logged as ``epsilon``."""
+def guarantees(mechanisms: list[Mechanism], sampling: Sampling, relation: str | None = None) -> list[Guarantee]:
+    """The guarantees of a run (see the module table); the first is the one logged as ``epsilon``.
+    ``relation="replace_one"`` accounts the models guarantee of a run without client sampling
+    under replace-one neighbours (``2C`` for clipped updates, ``C^2`` for squared norms), the
+    convention of papers 000 and 002, instead of add/remove."""
     out: list[Guarantee] = []
     for mech in (m for m in mechanisms if m.granularity == "record"):
         profiles = tuple(Profile(_record_release(mech, p), p.clients, p) for p in mech.record_profiles)
@@ -119,7 +124,7 @@ def guarantees(mechanisms: list[Mechanism], sampling: Sampling) -> list[Guarante
         out.append(Guarantee("client_distributed", f"client-level DP, distributed noise ({_names(at_clients)}), towards "
                              "the server (secure aggregation hides the shares; the server knows who took part)",
                              "server", "client", True, (Profile(release),)))
-    release = _models_release(client, sampling)
+    release = _models_release(client, sampling, relation)
     if central:
         name, what = "client_central", "client-level DP, central noise"
     else:

@@ -340,6 +340,51 @@ class _TrainerShim:
 
 
 
+# ---------------------------------------------------------------------------------------- what the model may hold
+def _running_stats(m: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, mod) for n, mod in m.named_modules()
+            if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats]
+
+
+_STATS_WHY = ("BatchNorm running statistics are computed from each client's data in train mode and are not federated "
+              "here, so evaluation would use their initial values")
+_STATS_FIX = ("use GroupNorm or LayerNorm, or BatchNorm(track_running_stats=False); a pretrained BatchNorm kept in "
+              "eval mode (.eval(), its statistics fixed) runs")
+
+
+def _refuse_running_stats(name: str) -> Callable[..., None]:
+    """A forward pre-hook on a BatchNorm whose statistics are fixed (eval mode): refuses, by name, the
+    first forward in train mode, which would update them from one client's data."""
+    def hook(module: nn.Module, args: Any) -> None:
+        if module.training:
+            raise ConfigError("model", name, f"was switched to train mode during training: {_STATS_WHY}", _STATS_FIX)
+    return hook
+
+
+def _check_model(m: nn.Module, params: list[nn.Parameter]) -> None:
+    """Refuse, at set-up, a model the flat fp32 global model cannot hold."""
+    if not params:
+        raise ConfigError("model", type(m).__name__, "has no parameters", "give the model trainable parameters")
+    lazy = [n for n, p in m.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ConfigError("model", lazy[:3], "has lazy parameters whose shapes are not known yet (nn.LazyLinear "
+                          "and the like)", "run the model once on an example batch before fit, or give the "
+                          "layers their input sizes")
+    as_buffers = [n for n, b in m.named_buffers() if any(b is p for p in params)]
+    if as_buffers:  # reset to its initial value for every client (load_global), it would never train
+        raise ConfigError("model", as_buffers[:3], "a parameter is also registered as a buffer",
+                          "register it once: as a parameter (trained) or as a buffer (a constant)")
+    bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+    if bad:
+        raise ConfigError("model", type(m).__name__, f"has parameters of dtype {', '.join(bad)}",
+                          "use float32 parameters (call model.float()); the global model is one fp32 buffer")
+    # In eval mode (a pretrained BatchNorm, frozen) the statistics never change: they run, as under Lightning,
+    # which keeps each submodule's mode; in train mode they would be computed per client and never federated.
+    training = [n for n, mod in _running_stats(m) if mod.training]
+    if training:
+        raise ConfigError("model", training, _STATS_WHY, _STATS_FIX)
+
+
 # ---------------------------------------------------------------------------------------- schedules across rounds
 def _step_scheduler(m: nn.Module, cfg: LRSchedulerConfig, metric: Any, custom: bool) -> None:
     if custom:
@@ -469,6 +514,7 @@ class FederatedLightningModule:
         self._lr_factor = 1.0
         self._in_step = False
         self._all_modules: list[nn.Module] | None = None  # the module tree, for _modes
+        self._stats_hooks: list[Any] = []
         self._dp_steps = 0
         self._overridden = {h: False for h in _STEP_HOOKS}
         self._automatic = bool(getattr(self.inner, "automatic_optimization", True))
@@ -526,27 +572,9 @@ class FederatedLightningModule:
         self.device = device
         self._all_modules = None
         params = list(m.parameters())
-        if not params:
-            raise ConfigError("model", type(m).__name__, "has no parameters", "give the model trainable parameters")
-        lazy = [n for n, p in m.named_parameters() if nn.parameter.is_lazy(p)]
-        if lazy:
-            raise ConfigError("model", lazy[:3], "has lazy parameters whose shapes are not known yet (nn.LazyLinear "
-                              "and the like)", "run the model once on an example batch before fit, or give the "
-                              "layers their input sizes")
-        as_buffers = [n for n, b in m.named_buffers() if any(b is p for p in params)]
-        if as_buffers:  # reset to its initial value for every client (load_global), it would never train
-            raise ConfigError("model", as_buffers[:3], "a parameter is also registered as a buffer",
-                              "register it once: as a parameter (trained) or as a buffer (a constant)")
-        bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
-        if bad:
-            raise ConfigError("model", type(m).__name__, f"has parameters of dtype {', '.join(bad)}",
-                              "use float32 parameters (call model.float()); the global model is one fp32 buffer")
-        running = [n for n, mod in m.named_modules()
-                   if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats]
-        if running:
-            raise ConfigError("model", running, "BatchNorm running statistics are computed from each client's data "
-                              "and are not federated here, so evaluation would use their initial values",
-                              "use GroupNorm or LayerNorm, or BatchNorm(track_running_stats=False)")
+        _check_model(m, params)
+        self._stats_hooks = [mod.register_forward_pre_hook(_refuse_running_stats(name or type(mod).__name__))
+                             for name, mod in _running_stats(m)]  # each in eval mode (_check_model)
         total = sum(p.numel() for p in params)
         self.working = torch.empty(total, dtype=torch.float32, device=device)
         offset = 0
@@ -600,6 +628,9 @@ class FederatedLightningModule:
         its own parameter storage (no longer views of the flat buffer), no stand-in trainer, Lightning's
         own ``self.log``. ``lightning.Trainer`` can fit and test it afterwards."""
         m = self.inner
+        for h in self._stats_hooks:
+            h.remove()
+        self._stats_hooks = []
         if self._laid_out:
             self.load_global()
             for p in self._params:

@@ -184,3 +184,43 @@ def test_lr_decay_and_scheduler(log_dir):
     # the step schedule continues across rounds (round 1 starts at step 3); the hooks see the scheduled
     # lr, and client_lr_decay scales the lr of every step of round 1 by 0.9 (tested in test_lightning_compat)
     assert lrs == pytest.approx([0.1, 0.05, 0.025, 0.0125, 0.00625, 0.003125])
+
+
+class PretrainedBatchNorm(TinyClassifier):
+    """A pretrained BatchNorm, frozen in eval mode: its statistics never change (runs, as under Lightning)."""
+
+    def __init__(self, frozen=True):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(10).eval().requires_grad_(not frozen)
+        self.bn.running_mean.fill_(0.5)
+        self.bn.running_var.fill_(2.0)
+
+    def forward(self, x):
+        return self.net(self.bn(x))
+
+
+class SwitchesBatchNormToTrainMode(PretrainedBatchNorm):
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1:
+            self.bn.train()
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vmap"])
+def test_a_pretrained_batchnorm_frozen_in_eval_mode_runs(log_dir, executor):
+    frozen = executor == "sequential"  # (vmap refuses frozen parameters: there, eval mode with trainable affine)
+    model = PretrainedBatchNorm(frozen)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=3, executor=executor)
+    fm = trainer.fit(model, tiny_data())
+    assert not model.bn.training and trainer.history[-1]["my_val_acc"] >= 0
+    assert torch.equal(model.bn.running_mean, torch.full((10,), 0.5))  # never updated from client data
+    assert torch.equal(model.bn.running_var, torch.full((10,), 2.0)) and int(model.bn.num_batches_tracked) == 0
+    assert not torch.equal(fm.global_params, before)
+    assert not model.bn._forward_pre_hooks  # the run's check is gone with the run
+
+
+def test_a_batchnorm_switched_to_train_mode_during_training_is_refused_by_name(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2)
+    with pytest.raises(ConfigError, match=r"model='bn': was switched to train mode during training: BatchNorm running"):
+        trainer.fit(SwitchesBatchNormToTrainMode(), tiny_data())
+    assert len(trainer.history) == 1

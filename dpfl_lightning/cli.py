@@ -3,6 +3,7 @@
 Configuration follows LightningCLI's YAML layout, parsed with jsonargparse (LightningCLI itself
 only accepts ``lightning.Trainer``)::
 
+    seed_everything: 0  # the model's initialisation (default: trainer.seed)
     trainer:            # FederatedTrainer arguments; plugins / algorithm / loggers as class_path + init_args
       rounds: 50
       plugins:
@@ -11,13 +12,17 @@ only accepts ``lightning.Trainer``)::
     model:              # any LightningModule
       class_path: dpfl_lightning.models.MLPClassifier
       init_args: {in_features: 64}
-    data:               # a FederatedDataModule (built-in source or from_datamodule-style)
+    data:               # a FederatedDataModule, or any LightningDataModule (split as `split:` says)
       class_path: dpfl_lightning.data.Digits
       init_args: {num_clients: 100}
 
-``--print_config`` prints the resolved configuration; dotted overrides such as
-``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply after the file. Bad input ends
-with one line naming the setting and the fix, and exit status 2.
+``-c`` / ``--config`` reads a file, ``--print_config`` prints the resolved configuration, dotted
+overrides such as ``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply after the file.
+Every fit saves ``config.yaml`` next to its ``metrics.csv``: ``dpfl fit --config`` that file reruns
+the run exactly. ``dpfl validate | test | predict --ckpt_path RUN`` evaluates a trained run (a run
+directory, or a checkpoint with ``--config``) under ``lightning.Trainer``, see
+:mod:`dpfl_lightning.evaluation`. Bad input ends with one line naming the setting, what is wrong
+and the fix (the closest valid option or class), and exit status 2 (:mod:`dpfl_lightning.cli_errors`).
 
 Other subcommands: ``dpfl privacy ...`` (accounting without training), ``dpfl sweep SWEEP.yaml``
 (every configuration of a W&B-format sweep file as its own run, see :mod:`dpfl_lightning.sweep`)
@@ -277,6 +282,9 @@ def build_parser() -> ArgumentParser:
     add_privacy_subcommands(privacy)
     sub.add_subcommand("sweep", sweep_parser(), help="run the configurations of a W&B-format sweep file")
     sub.add_subcommand("report", report_parser(), help="plots and tables from the CSV logs of runs")
+    from dpfl_lightning.audit_cli import audit_parser  # (audit_cli imports this module)
+
+    sub.add_subcommand("audit", audit_parser(), help="empirical privacy audit of a fit config with canary clients")
     return parser
 
 
@@ -355,6 +363,12 @@ def main(argv: list[str] | None = None) -> None:
             from dpfl_lightning import reporting
 
             reporting.run_from_cli(cfg.report)
+        elif cfg.command == "audit":
+            from dpfl_lightning import audit_cli
+
+            code = audit_cli.run(parser, cfg)
+            if code:
+                sys.exit(code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear line and a status

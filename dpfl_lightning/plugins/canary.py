@@ -1,0 +1,238 @@
+"""CanaryClients: canary clients for an empirical privacy audit of a run, as it is configured.
+
+A canary's update is a fixed random direction ``u_i`` (isotropic, unit norm) scaled to the clip bound
+in force, ``C_t u_i``. The run's own plugins clip and noise it as any update (this plugin runs after
+local training and before the bounding plugins: ``ORDER_BOUND_SENSITIVITY - 10``), so the noise the
+canary meets is the noise the configuration really adds. After every round each canary is scored by
+the cosine of ``u_i`` with the model's movement:
+
+- final model (threat model: only the final model is seen): ``cos(u_i, theta_T - theta_0)``;
+- every round's model (threat model: every round's model is seen): ``max_t cos(u_i, theta_t -
+  theta_{t-1})``, the max-statistic of Andrew et al. (2024).
+
+How canaries take part. ``canaries = m`` client ids, drawn once from the seed, are *canary slots*: they
+never send their own data. Canary ``i`` lives on slot ``i`` and is *inserted* with probability 1/2
+(a coin keyed by the seed; ``inserted="all"`` / ``"none"`` for the in and out worlds of a many-run
+audit). An inserted canary's slot sends ``C_t u_i``; the slot of a canary left out sends a zero update.
+Slots are sampled like every client, by the run's sampler, so the population and sampling rate are
+exactly the ones the ledger accounts. For the noised sum -- every noise placement -- a zero update is
+the same as an absent client, so the worlds with and without canary ``i`` are neighbours under the
+ledger's relation. (A plugin that also sends a statistic of the update's norm, such as adaptive
+clipping's count bit, sends the same bit for both, since the canary is scaled to at most ``C_t``.)
+A slot's other payload segments (e.g. SCAFFOLD's control-variate delta) are zeroed too.
+
+Canaries inserted and left out give the one-run estimates of :mod:`dpfl_lightning.privacy.audit`:
+the Gaussian fit of Andrew et al. and the lower bound of Steinke et al., for both threat models.
+They are logged as ``audit_eps_*`` (``noised`` releases: functions of the released models and of the
+seed), the last round's in the run's summary and W&B.
+
+Randomness: directions, coins and slots come from :class:`~dpfl_lightning.rng.RandomSource` of the
+run's seed, keyed by (seed, canary), in simulation and in secure mode alike, so they do not depend on
+the number of ranks, and the auditor (who knows the seed) knows them. A canary run trains a model
+without the slots' data: use it to audit a configuration, not to ship its model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpfl_lightning import rng
+from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.payload import UPDATE
+from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
+from dpfl_lightning.plugins.sensitivity import scale_to_norm_
+from dpfl_lightning.privacy.audit import Estimate, LowerBound, gaussian_fit_estimate, one_run_lower_bound
+from dpfl_lightning.privacy.guarantees import guarantees
+from dpfl_lightning.releases import MetricRelease
+
+CANARY = rng.PLUGIN + 70
+INSERTIONS = ("random", "all", "none")
+THREAT_MODELS = {"final": "only the final model is seen", "rounds": "every round's model is seen"}
+_CACHE_VALUES = 1 << 24  # directions kept in memory up to this many values (64 MiB); else redrawn each round
+
+
+@dataclass(frozen=True)
+class CanaryAudit:
+    """The one-run estimates of one threat model (see :data:`THREAT_MODELS`)."""
+
+    threat_model: str
+    estimate: Estimate | None  # Gaussian fit (Andrew et al.); None without 2 inserted and 2 unseen canaries
+    bound: LowerBound | None  # Steinke et al.; None unless canaries are inserted at random
+
+
+class CanaryClients(FederatedCallback):
+    """Insert canary clients and estimate epsilon from them (see the module docstring).
+
+    Args:
+        canaries: the number ``m`` of canaries (and of client ids that become canary slots; at most
+            the number of clients).
+        inserted: ``random`` (each canary with probability 1/2: the one-run audit), ``all`` or ``none``
+            (the two worlds of a many-run audit).
+        norm: the canaries' norm when no plugin bounds the update (default: the clip bound ``C_t``).
+        delta: the delta of the estimates (default: the privacy ledger's default).
+        confidence: joint confidence of the two lower bounds (each at ``1 - (1 - confidence) / 2``)
+            and of each estimate's interval.
+        every: compute and log the estimates every this many rounds, and after the last planned round.
+    """
+
+    order = ORDER_BOUND_SENSITIVITY - 10
+
+    def __init__(self, canaries: int = 100, inserted: str = "random", norm: float | None = None,
+                 delta: float | None = None, confidence: float = 0.95, every: int = 1) -> None:
+        require(isinstance(canaries, int) and canaries >= 1, "CanaryClients.canaries", canaries, "must be >= 1",
+                "set canaries to a positive number, e.g. 100")
+        require(inserted in INSERTIONS, "CanaryClients.inserted", inserted, "unknown", f"use one of {INSERTIONS}")
+        require(norm is None or (math.isfinite(norm) and norm > 0), "CanaryClients.norm", norm, "must be > 0",
+                "leave it unset (the clip bound) or give a positive norm")
+        require(delta is None or 0 < delta < 1, "CanaryClients.delta", delta, "must be in (0, 1)",
+                "leave it unset (the ledger's) or set e.g. 1e-5")
+        require(0 < confidence < 1, "CanaryClients.confidence", confidence, "must be in (0, 1)", "set e.g. 0.95")
+        require(isinstance(every, int) and every >= 1, "CanaryClients.every", every, "must be >= 1", "set e.g. 1")
+        self.canaries = canaries
+        self.inserted = inserted
+        self.norm = norm
+        self.delta = delta
+        self.confidence = confidence
+        self.every = every
+        self.scores: dict[str, torch.Tensor] = {}  # threat model -> every canary's score so far
+        self._initial: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, *, ctx) -> None:
+        m, population = self.canaries, ctx.data.num_clients
+        require(m <= population, "CanaryClients.canaries", m,
+                f"every canary needs a client slot of its own and there are {population} clients",
+                f"set canaries <= {population}")
+        bounds = [get for _, segs, get in ctx.norm_bounds if UPDATE in segs]
+        if not bounds and self.norm is None:
+            raise ConfigError("CanaryClients.norm", None, "no UpdateClipping or UpdateNormalization bounds the update, "
+                              "so there is no clip bound to scale the canaries to", "add a bounding plugin or set norm")
+        self._bounds = bounds
+        self._source = rng.RandomSource(ctx.seed)  # keyed by the seed in secure mode too: the auditor knows it
+        slots = self._source.stream(0, rng.SERVER_CLIENT, CANARY, tag="slots").randperm(population)[:m]
+        self._slot_of = {int(c): i for i, c in enumerate(slots.tolist())}
+        coins = [self._source.stream(0, i, CANARY, tag="coin").uniform(1)[0] < 0.5 for i in range(m)]
+        self.is_inserted = torch.tensor([{"random": bool(c), "all": True, "none": False}[self.inserted] for c in coins])
+
+    def released_metrics(self, *, ctx) -> list[MetricRelease]:
+        why = "canary estimates of epsilon: functions of the released models and of the seed"
+        return [MetricRelease("audit_eps_*", "noised", "CanaryClients", why)]
+
+    def on_fit_start(self, *, ctx) -> None:
+        levels = {m.granularity for m in ctx.mechanisms}
+        if levels and "client" not in levels:
+            raise ConfigError("CanaryClients", "record-level DP", "canary clients measure client-level privacy and "
+                              "this run's guarantee is per record (DP-SGD), so their epsilon is not comparable",
+                              "audit a configuration with client-level noise (UpdateClipping + GaussianNoise)")
+        self._delta = self.delta if self.delta is not None else self._ledger_delta(ctx)
+        params = ctx.module.global_params
+        if self._initial is None:  # a resumed run keeps the initial model of its checkpoint
+            self._initial = params.detach().clone()
+            self._max = torch.full((self.canaries,), -math.inf, dtype=torch.float64)
+        self._initial = self._initial.to(params.device)
+        self._previous = params.detach().clone()
+        self._cached = self._block(0, self.canaries) if self.canaries * params.numel() <= _CACHE_VALUES else None
+
+    @staticmethod
+    def _ledger_delta(ctx) -> float:
+        """The delta the privacy ledger reports at by default (see :class:`PrivacyLedger`)."""
+        calibrated = ctx.privacy.calibrations
+        if calibrated:
+            return min(d for d, _ in calibrated)
+        levels = {g.granularity for g in guarantees(ctx.mechanisms, ctx.sampler.accounted())} or {"client"}
+        return min(ctx.privacy.default_delta(level) for level in levels)
+
+    # ------------------------------------------------------------------ directions
+    @property
+    def slots(self) -> dict[int, int]:
+        """Client id -> the canary living on it (a function of the seed and the number of clients)."""
+        return dict(self._slot_of)
+
+    def direction(self, canary: int) -> torch.Tensor:
+        """Canary ``canary``'s unit direction (float32, on the model's device)."""
+        return self._cached[canary] if self._cached is not None else self._block(canary, canary + 1)[0]
+
+    def _block(self, lo: int, hi: int) -> torch.Tensor:
+        """Unit directions of canaries ``lo .. hi-1`` as rows (float32, on the model's device)."""
+        d = self._initial.numel()
+        rows = [self._source.stream(0, i, CANARY, tag="direction").normal((d,), 1.0, dtype=torch.float64)
+                for i in range(lo, hi)]
+        block = torch.stack(rows)
+        block /= torch.linalg.vector_norm(block, dim=1, keepdim=True)
+        return block.to(device=self._initial.device, dtype=torch.float32)
+
+    def _blocks(self):
+        if self._cached is not None:
+            yield self._cached
+            return
+        step = max(1, _CACHE_VALUES // self._initial.numel())
+        for lo in range(0, self.canaries, step):
+            yield self._block(lo, min(lo + step, self.canaries))
+
+    # ------------------------------------------------------------------ a round
+    def on_client_end(self, *, client) -> None:
+        canary = self._slot_of.get(client.client)
+        if canary is None:
+            return
+        for segment in client.payload.values():  # a slot sends nothing of its own
+            segment.zero_()
+        if bool(self.is_inserted[canary]):
+            update = client.payload[UPDATE]
+            update.copy_(self.direction(canary))
+            bound = min(get() for get in self._bounds) if self._bounds else self.norm
+            scale_to_norm_([update], bound, only_if_above=False)  # at most C_t: every bound-derived bit agrees
+
+    def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
+        params = server.global_params.detach()
+        moves = torch.stack([params - self._initial, params - self._previous], dim=1)  # [d, 2]
+        norms = torch.linalg.vector_norm(moves, dim=0).clamp_min(torch.finfo(moves.dtype).tiny)
+        cosines = torch.cat([block @ moves for block in self._blocks()]).double().cpu() / norms.double().cpu()
+        self._max = torch.maximum(self._max, cosines[:, 1])
+        self.scores = {"final": cosines[:, 0], "rounds": self._max.clone()}
+        self._previous.copy_(params)
+        last = server.next_plan is None or server.next_plan() is None
+        if last or (server.round_idx + 1) % self.every == 0:
+            metrics.update(self.metrics())
+
+    # ------------------------------------------------------------------ results
+    def audit(self) -> dict[str, CanaryAudit]:
+        """The estimates of both threat models from the scores so far."""
+        out = {}
+        ins = self.is_inserted.numpy()
+        for name in THREAT_MODELS:
+            s = self.scores[name].numpy()
+            estimate = bound = None
+            if ins.sum() >= 2 and (~ins).sum() >= 2:
+                estimate = gaussian_fit_estimate(s[ins], s[~ins], self._delta, self.confidence)
+                if self.inserted == "random":  # the bound needs each canary in with probability 1/2
+                    bound = one_run_lower_bound(s, ins, self._delta, 1.0 - (1.0 - self.confidence) / len(THREAT_MODELS))
+            out[name] = CanaryAudit(name, estimate, bound)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name, a in self.audit().items():
+            if a.estimate is not None:
+                out.update({f"audit_eps_{name}": a.estimate.epsilon, f"audit_eps_{name}_low": a.estimate.low,
+                            f"audit_eps_{name}_high": a.estimate.high})
+            if a.bound is not None:
+                out[f"audit_eps_lb_{name}"] = a.bound.epsilon
+        return out
+
+    @property
+    def delta_used(self) -> float:
+        return self._delta
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        if self._initial is None:
+            return {}
+        return {"initial": self._initial.detach().cpu().clone(), "max": self._max.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self._initial, self._max = state["initial"].clone(), state["max"].clone()

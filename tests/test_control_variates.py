@@ -344,3 +344,207 @@ def test_control_variates_refuse_lr_normalized_updates(log_dir, plugin):
     trainer = quiet_trainer(log_dir, rounds=1, plugins=[plugin()], normalize_update_by_lr=True)
     with pytest.raises(ConfigError, match="normalize_update_by_lr"):
         trainer.fit(TinyClassifier(), tiny_data(num_clients=4))
+
+
+# ---------------------------------------------------------------- warm start: every client exactly once
+class Cohorts(FederatedCallback):
+    """The clients that trained in each round (order 999: after SCAFFOLD chose the warm cohort)."""
+
+    order = 999
+
+    def __init__(self):
+        self.rounds: dict[int, list[int]] = {}
+
+    def on_client_start(self, *, client):
+        self.rounds.setdefault(client.round_idx, []).append(client.client)
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["simulation", "secure"])
+def test_warm_start_meets_every_client_exactly_once_and_the_ledger_counts_one_participation(log_dir, secure):
+    # 10 clients, cohorts of 3: ceil(10/3) = 4 warm rounds of 3, 3, 3 and 1 clients. Independent
+    # uniform cohorts met 64-67% of the clients in ceil(M/m) rounds (the rest kept c_i = 0).
+    M, m, K = 10, 3, 2
+    cohorts, scaffold, ledger = Cohorts(), SCAFFOLD(warm_start=True), PrivacyLedger(delta=1e-4)
+    t = quiet_trainer(log_dir, rounds=6, clients_per_round=m, local_steps=K, batch_size=4, seed=5, secure=secure,
+                      plugins=[DPSGD(noise_multiplier=1.0), scaffold, cohorts, ledger])
+    t.fit(TinyClassifier(), tiny_data(num_clients=M, samples=16))
+    W = scaffold.warm_start_rounds
+    warm = [sorted(cohorts.rounds[r]) for r in range(W)]
+    assert W == 4 and [len(c) for c in warm] == [3, 3, 3, 1]
+    assert sorted(c for cohort in warm for c in cohort) == list(range(M))  # each client exactly once
+    c_is = scaffold.control_variates
+    assert len(c_is) == M and all(float(v.abs().max()) > 0 for v in c_is.values())
+    planner = t.run.ctx.privacy
+    if secure:  # the participation bound of secure mode: once in the warm rounds, binomial after them
+        from dpfl_lightning.privacy.planning import participation_bound
+
+        assert planner.busiest(None, W, ledger.delta) == 1
+        assert planner.busiest(None, 6, ledger.delta) == 1 + participation_bound(2, m / M, planner.tail(ledger.delta))
+    else:  # the ledger counts each client's K DP-SGD steps of the warm start once, as the planner planned
+        assert planner.counts(W).tolist() == [1] * M
+        eps_after_warm = t.history[W - 1]["epsilon"]
+        assert eps_after_warm == pytest.approx(ledger.planned_epsilons(W)["record"], rel=1e-12)
+        assert ledger.planned_epsilons(6)["record"] == pytest.approx(t.history[-1]["epsilon"], rel=1e-12)
+    # the partition is keyed by the run's random source: another seed, other blocks
+    other = Cohorts()
+    quiet_trainer(log_dir, rounds=5, clients_per_round=m, local_steps=1, seed=6,
+                  plugins=[SCAFFOLD(warm_start=True), other]).fit(TinyClassifier(), tiny_data(num_clients=M))
+    assert [sorted(other.rounds[r]) for r in range(W)] != warm or secure
+
+
+# ---------------------------------------------------------------- client-level DP on dc: c and the c_i
+def _client_dp(scaffold, placement, z=1.0, clip=1.0):
+    return [scaffold, scaffold.commit, UpdateClipping(clip, segments=["update", "dc"]),
+            GaussianNoise(noise_multiplier=z, placement=placement, segments=["update", "dc"])]
+
+
+class DcSums(FederatedCallback):
+    """The cohort's dc sum before the central noise (order 150) or after it (order 250)."""
+
+    def __init__(self, order):
+        self.order, self.sums = order, []
+
+    def on_aggregate(self, *, server):
+        self.sums.append(server.aggregate["dc"].clone())
+
+
+@pytest.mark.parametrize("placement", ["local", "distributed", "central"])
+def test_c_stays_the_mean_of_the_c_i_under_client_level_noise(log_dir, placement):
+    # partial participation (3 of 12 clients, 5 rounds): every client adds the dc it sent (clipped and
+    # noised) to c_i, the server adds the noised sum / M to c. With central noise the clients cannot
+    # know the aggregator's noise: c - mean(c_i) is that noise on the dc sums over M, round by round.
+    M = 12
+    scaffold, clean, noised = SCAFFOLD(), DcSums(150), DcSums(250)
+    t = quiet_trainer(log_dir, rounds=5, clients_per_round=3, local_steps=3, seed=1,
+                      plugins=[*_client_dp(scaffold, placement), clean, noised])
+    t.fit(TinyClassifier(lr=0.1), tiny_data(num_clients=M))
+    c_is = scaffold.control_variates  # the clients never sampled keep c_i = 0
+    mean = sum(c_is.values()) / M
+    scale = max(float(v.abs().max()) for v in c_is.values())
+    assert len(c_is) < M and scale > 0.05
+    expected = mean if placement != "central" else mean + sum(b - a for a, b in zip(clean.sums, noised.sums)) / M
+    # the exact aggregation rounds every value to a grid of ~B n 2^-43 (B = C + 50 sigma): far below 1e-9
+    assert torch.allclose(scaffold.c, expected, rtol=0, atol=1e-9 * scale)
+    if placement == "central":
+        assert float((scaffold.c - mean).abs().max()) > 1e-3  # the aggregator's noise, not rounding
+
+
+# ---------------------------------------------------------------- checkpoints: the raw-update attack
+def _vectors(obj, d):
+    """Every tensor of d values anywhere in a checkpoint."""
+    if isinstance(obj, torch.Tensor):
+        return [obj.double().reshape(-1)] if obj.numel() == d else []
+    if isinstance(obj, dict):
+        return [v for x in obj.values() for v in _vectors(x, d)]
+    if isinstance(obj, (list, tuple)):
+        return [v for x in obj for v in _vectors(x, d)]
+    return []
+
+
+def _best_fit(u, candidates):
+    """The smallest relative residual of ``u`` against any multiple of a candidate."""
+    u = u.double()
+    out = float("inf")
+    for v in candidates:
+        a = float(v @ u) / max(float(v @ v), 1e-300)
+        out = min(out, float((a * v - u).norm() / u.norm()))
+    return out
+
+
+@pytest.mark.parametrize("placement", [None, "local", "central", "distributed"])
+def test_scaffold_checkpoint_does_not_give_back_a_clients_raw_update(log_dir, placement):
+    # Round 1 from c = c_i = 0 makes c_i+ = -update / (K eta_l): a checkpoint holding that c_i gives
+    # back the client's raw update. Without DP the attack works (the test can fail); with client-level
+    # DP the checkpoint holds c_i built from the clipped, noised dc it released (local), or none.
+    from dpfl_lightning.checkpoint import load
+
+    K, lr, d = 3, 0.1, sum(p.numel() for p in TinyClassifier().parameters())
+    scaffold, raw = SCAFFOLD(), Recorder(order=60)  # after SCAFFOLD (41), before the clipping (100)
+    plugins = [scaffold, raw] if placement is None else [*_client_dp(scaffold, placement), raw]
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=4, local_steps=K, seed=2, checkpoint_every=1,
+                      plugins=plugins)
+    t.fit(TinyClassifier(lr=lr), tiny_data(num_clients=6))
+    state = load(f"{t.checkpoint_dir}/last.ckpt")
+    saved = state["client_states"]
+    for client, u in zip(raw.clients, raw.updates):
+        c_i = saved.get(client, {}).get("c_i")
+        if placement in ("central", "distributed"):
+            assert c_i is None
+            continue
+        residual = float((-K * lr * c_i - u.double()).norm() / u.double().norm())
+        assert residual < 1e-5 if placement is None else residual > 0.5, (placement, residual)
+    if placement is not None:  # nothing in the checkpoint is a multiple of a client's raw update
+        vectors = _vectors(state, d)
+        assert vectors and min(_best_fit(u, vectors) for u in raw.updates) > 0.5
+        held = placement != "local"
+        assert ("checkpoints leave c_i out" in scaffold.privacy_note) == held
+        assert (placement in scaffold.privacy_note) or not held
+
+
+@pytest.mark.parametrize("placement", [None, "local", "central", "distributed"])
+def test_scaffnew_checkpoint_does_not_give_back_a_clients_clipped_update(log_dir, placement):
+    # After round 1 from h = 0: h_i = (p / eta)(mean D - D_i), and mean D = x1 - x0 is public, so a
+    # checkpoint holding h_i gives back D_i. Under central noise D_i is the clipped, un-noised update.
+    from dpfl_lightning.checkpoint import load
+
+    p, lr = 0.5, 0.1
+
+    class Start(FederatedCallback):
+        def on_fit_start(self, *, ctx):
+            self.x0 = ctx.module.global_params.double().clone()
+
+    start, clipped = Start(), Recorder(order=150)  # after the clipping, before the noise
+    dp = [] if placement is None else [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement=placement)]
+    scaffnew = ScaffNew(p=p)
+    t = quiet_trainer(log_dir, rounds=1, seed=4, checkpoint_every=1, plugins=[scaffnew, *dp, clipped, start])
+    t.fit(TinyClassifier(lr=lr), tiny_data(num_clients=5))
+    state = load(f"{t.checkpoint_dir}/last.ckpt")
+    mean = state["global_params"].double() - start.x0
+    for client, D in zip(clipped.clients, clipped.updates):
+        h = state["client_states"].get(client, {}).get("h")
+        if placement in ("central", "distributed"):
+            assert h is None
+            continue
+        residual = float((mean - lr / p * h - D.double()).norm() / D.double().norm())
+        assert residual < 1e-4 if placement is None else residual > 0.5, (placement, residual)
+    if placement is not None:
+        assert ("checkpoints leave h_i out" in scaffnew.privacy_note) == (placement != "local")
+
+
+def test_resume_without_checkpointed_c_i_restarts_every_client_from_c(log_dir):
+    # distributed noise: the c_i carry the clients' noise shares and stay out of checkpoints; the
+    # resumed run starts every client from the checkpointed c, so c = mean(c_i) still holds
+    from dpfl_lightning.checkpoint import load
+
+    M, kw = 6, dict(clients_per_round=2, local_steps=2, seed=3, checkpoint_every=2)
+    first = SCAFFOLD()
+    t = quiet_trainer(log_dir, rounds=2, plugins=_client_dp(first, "distributed"), **kw)
+    t.fit(TinyClassifier(lr=0.1), tiny_data(num_clients=M))
+    ckpt = f"{t.checkpoint_dir}/round-000002.ckpt"
+    saved = load(ckpt)
+    assert not any("c_i" in s for s in saved["client_states"].values())
+    c_saved = saved["plugins"]["SCAFFOLD"]["c"].double()
+    assert float(c_saved.abs().max()) > 0
+    resumed = SCAFFOLD()
+    t2 = quiet_trainer(log_dir, rounds=4, plugins=_client_dp(resumed, "distributed"), **kw)
+    t2.fit(TinyClassifier(lr=0.1), tiny_data(num_clients=M), ckpt_path=ckpt)
+    met = resumed.control_variates
+    mean = (sum(met.values()) + (M - len(met)) * c_saved) / M
+    assert 0 < len(met) < M
+    assert torch.allclose(resumed.c, mean, rtol=0, atol=1e-9 * float(resumed.c.abs().max()))
+
+
+def test_scaffold_refuses_client_level_dp_it_cannot_follow(log_dir):
+    def fit(plugins, **kw):
+        quiet_trainer(log_dir, rounds=3, clients_per_round=2, plugins=plugins, **kw).fit(
+            TinyClassifier(), tiny_data(num_clients=4))
+
+    scaffold = SCAFFOLD()
+    with pytest.raises(ConfigError, match=r"\.commit"):  # dc clipped and noised, c_i would follow the raw dc
+        fit([scaffold, UpdateClipping(1.0, segments=["update", "dc"]),
+             GaussianNoise(noise_multiplier=1.0, placement="local", segments=["update", "dc"])])
+    with pytest.raises(ConfigError, match="covers the update but not dc"):  # c would move with an un-noised sum
+        fit([DPSGD(noise_multiplier=1.0), SCAFFOLD(), UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)])
+    warm = SCAFFOLD(warm_start=True)
+    with pytest.raises(ConfigError, match="amplified by client sampling"):  # partition blocks are not sampled
+        fit(_client_dp(warm, "central"))

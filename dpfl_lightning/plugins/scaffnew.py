@@ -15,10 +15,24 @@ keyed by (seed, round) so that every client and every rank draws the same. On co
 
 Every client takes part in every round (Alg. 2 is full participation), and every client counts once
 in the mean (``trainer.weighting="uniform"``): with weights the ``h_i`` would stop summing to zero.
-Privacy: what leaves a client is ``D_i``, clipped and noised by the configured plugins (local DP
-towards the server); ``h_i`` is a function of released ``D``s (post-processing) and costs nothing.
-The ledger accounts one release per communication, the rounds that happened. Local training must be
-plain SGD.
+
+Privacy. Each ``h_i`` follows the ``D_i`` the client sent, as it left the client (line 10 uses the
+message ``Delta_t^(i)``), so it is as private as those messages (see
+:mod:`~dpfl_lightning.plugins.control_variate_state`):
+
+- ``local`` noise (Alg. 2's threat model, local DP towards the server): ``D_i`` is the local
+  release, ``h_i`` a function of released ``D``s (post-processing, costs nothing), and checkpoints
+  hold it by client id;
+- ``distributed`` noise: ``D_i`` carries the client's own noise share, so the ``h_i`` still sum to
+  zero, but the share is hidden by secure aggregation: checkpoints leave ``h_i`` out;
+- ``central`` noise: ``D_i`` is clipped, not noised; the clients cannot know the aggregator's noise
+  ``xi`` on the sum, so ``sum_i h_i`` moves by ``(p / eta) xi`` each round instead of staying zero,
+  and ``h_i`` is the aggregator's un-noised view: checkpoints leave it out;
+- DP-SGD inside the clients: ``D_i`` is a function of the noisy gradients; checkpoints hold ``h_i``.
+
+A resumed run whose checkpoints leave the ``h_i`` out restarts every ``h_i`` at 0 (they sum to zero,
+as Alg. 2 line 1 asks). The ledger accounts one release per communication, the rounds that
+happened. Local training must be plain SGD.
 """
 
 from __future__ import annotations
@@ -28,7 +42,9 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.payload import UPDATE
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.control_variate_state import ClientVectors, held_placement, print_privacy_line, state_note
 from dpfl_lightning.plugins.scaffold import FlatGrads, check_plain_sgd
 from dpfl_lightning.releases import MetricRelease
 
@@ -67,6 +83,19 @@ class ScaffNew(FederatedCallback):
         self.p = float(p)
         self.max_local_steps = max_local_steps
         self.steps: list[int] = []
+        self._h = ClientVectors("h")
+        self._sent: dict[int, tuple[torch.Tensor, float]] = {}  # this round's D_i and step size, by client
+        self._note: str | None = None
+
+    @property
+    def control_variates(self) -> dict[int, torch.Tensor]:
+        """The ``h_i`` this rank has used in this ``fit``, by client (the others are 0)."""
+        return dict(self._h.met)
+
+    @property
+    def privacy_note(self) -> str | None:
+        """What the run's privacy statement says about ``h_i`` (``None`` without DP)."""
+        return self._note
 
     def setup(self, *, ctx) -> None:
         check_uniform_weighting("ScaffNew", "the h_i sum to zero only if the server takes the plain mean of D_i", ctx)
@@ -86,6 +115,13 @@ class ScaffNew(FederatedCallback):
             self._d = ctx.module.num_parameters
             self._device = ctx.device
 
+    def on_fit_start(self, *, ctx) -> None:
+        held = held_placement(ctx.mechanisms, UPDATE) is not None
+        self._h.reset(held, torch.zeros(self._d, dtype=torch.float64, device=self._device))
+        self._sent = {}
+        self._note = state_note("ScaffNew", "h_i", UPDATE, ctx.mechanisms, "0")
+        print_privacy_line(ctx, self._note)
+
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [MetricRelease("local_steps", "public", "ScaffNew", "this round's steps, drawn from the shared coin")]
 
@@ -98,9 +134,8 @@ class ScaffNew(FederatedCallback):
         self._round_steps = steps
 
     def on_client_start(self, *, client) -> None:
-        if "h" not in client.state:
-            client.state["h"] = torch.zeros(self._d, dtype=torch.float64, device=self._device)
-        client.scratch["scaffnew_h"] = (-client.state["h"]).to(torch.float32)  # g - h_i
+        h = self._h.of(client.client, client.state)
+        client.scratch["scaffnew_h"] = (-h).to(torch.float32)  # g - h_i
 
     def wrap_optimizer(self, *, client, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         check_plain_sgd("ScaffNew", optimizer)
@@ -115,17 +150,15 @@ class ScaffNew(FederatedCallback):
             self._grads.add_(client.scratch["scaffnew_h"])
 
     def on_client_end(self, *, client) -> None:
-        # D_i after clipping and noise, and the step size of this round, for the update of h_i
-        client.state["scaffnew_D"] = client.payload["update"].double().clone()
-        client.state["scaffnew_eta"] = client.lr
+        # D_i as it leaves the client (after clipping and local noise or the noise share), and the
+        # step size of this round, for the update of h_i (a replay overwrites them)
+        self._sent[client.client] = (client.payload["update"].double().clone(), client.lr)
 
     def on_server_update(self, *, server) -> None:
         mean = server.update  # mean D (the server optimizer applies it next)
         for c in server.my_clients:
-            state = server.client_state(c)
-            D = state.pop("scaffnew_D")
-            eta = state.pop("scaffnew_eta")
-            state["h"].add_(mean - D, alpha=self.p / eta)
+            D, eta = self._sent.pop(c)
+            self._h.of(c, server.client_state(c)).add_(mean - D, alpha=self.p / eta)  # line 10
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         metrics["local_steps"] = float(self._round_steps)

@@ -12,31 +12,50 @@ Round ``t`` with server model ``x`` and server control variate ``c``; client ``i
   and the client sends ``(dy, dc) = (y_K - x, c_i+ - c_i)`` -- two named segments of the one
   all-reduce (``update`` and ``dc``);
 - the server steps ``x <- x + eta_g mean(dy)`` (the server optimizer) and
-  ``c <- c + (1/M) sum_{sampled} dc`` (line 20, ``c + l * mean dc`` with ``l = m/M``), so ``c`` stays
-  the mean of all ``c_i`` under partial participation.
+  ``c <- c + (1/M) sum_{sampled} dc`` (line 20, ``c + l * mean dc`` with ``l = m/M``);
+- the client sets ``c_i <- c_i + dc`` with the ``dc`` it *sent* (line 17, ``c_i = c_i+`` when
+  nothing changes ``dc`` on its way), so ``c`` stays the mean of all ``c_i`` under partial
+  participation.
 
-``c_i`` belongs to the client id: it lives in the client's state (on the rank that trains it,
-checkpointed by id); ``c`` is this plugin's state.
-
-Privacy: with :class:`~dpfl_lightning.plugins.DPSGD` every quantity that leaves a client -- ``dy``
+Privacy. With :class:`~dpfl_lightning.plugins.DPSGD` every quantity that leaves a client -- ``dy``
 and ``dc`` -- is a function of the DP-SGD-noised gradients and of public ``c`` (Claim 4.1 of paper
 001): ``dc`` is a ``model`` segment, covered by the record-level mechanism, and costs no extra
-privacy (the ledger reports the same epsilon as DP-SGD + FedAvg). With client-level DP instead,
-clip ``update`` and ``dc`` jointly (``UpdateClipping(C, segments=["update", "dc"])``) and noise both.
+privacy (the ledger reports the same epsilon as DP-SGD + FedAvg). With client-level DP, clip
+``update`` and ``dc`` jointly (``UpdateClipping(C, segments=["update", "dc"])``), noise both, and
+add ``scaffold.commit`` (:class:`~dpfl_lightning.plugins.scaffold_commit.SCAFFOLDCommit`): the
+clients then add the clipped, noised ``dc`` they sent to ``c_i``. By threat model (see
+:mod:`~dpfl_lightning.plugins.control_variate_state`):
+
+- ``local`` noise: ``c_i`` is the sum of the client's local releases, ``c = mean(c_i)`` exactly
+  (to the aggregation's rounding), and checkpoints hold ``c_i`` by client id;
+- ``distributed`` noise: ``c_i`` includes the client's own noise share, ``c = mean(c_i)``; the share
+  is not a release, so checkpoints leave ``c_i`` out;
+- ``central`` noise: a client cannot know the aggregator's noise, so ``c_i`` follows its clipped
+  ``dc`` and ``c - mean(c_i)`` is the aggregator's noise on the ``dc`` sums divided by ``M`` (summed
+  over the rounds); ``c_i`` is the aggregator's un-noised view and checkpoints leave it out.
+
+A resumed run whose checkpoints leave ``c_i`` out restarts every client's ``c_i`` from the
+checkpointed (released) ``c``, which keeps ``c = mean(c_i)``. A run whose client-level noise covers
+the update but not ``dc`` is refused (``c`` would move the model with an un-noised sum).
 
 ``warm_start`` (DP-SCAFFOLD-warm, Sec. 3.3 of paper 001): the first ``warm_start_rounds`` rounds
-(default ``ceil(M / m)``, enough for the expected cohort to have met every client once) do not
-move the model: sampled clients compute ``K`` (noisy) gradients at ``x0`` with learning rate 0 and
-set ``c_i^0`` to their mean, sent as ``dc``; the server sets ``c`` to the mean over all clients.
-These rounds are rounds of the run: they count in ``trainer.rounds`` and the privacy ledger accounts
-them like every other round (``K`` DP-SGD steps per participation).
+(default ``ceil(M / m)``) do not move the model: their cohorts are the blocks of ``m`` clients of
+one random permutation of the population (keyed by the run's random source: the same on every
+rank, from the CSPRNG in secure mode), so the default meets every client exactly once; each
+computes ``K`` (noisy) gradients at ``x0`` with learning rate 0 and sets ``c_i^0`` to their mean,
+sent as ``dc``; the server sets ``c`` to the mean over all clients. These rounds count in
+``trainer.rounds``. Accounting: the ledger counts each client's participations from the rounds'
+cohorts, and the planner (calibration, secure mode's participation bound) knows that those rounds
+meet a client at most once per pass. A fixed partition block is not a sampled cohort, so a guarantee
+amplified by client sampling (client-level central or distributed noise towards model observers)
+does not hold for those rounds: that combination is refused.
 
 Local training must be plain SGD (no momentum, no weight decay, one learning rate for every
 parameter group) with one optimizer: the control-variate update reads the learning rate of every
 step as its step size.
 
-A client skipped because its update is not finite (``on_nonfinite="skip"``) sends ``dc = 0`` and
-keeps the ``c_i`` it had before the round.
+A client skipped because its update is not finite (``on_nonfinite="skip"``) sends ``dc = 0`` (plus
+its local noise or noise share) and keeps the ``c_i`` it had before the round (plus that noise).
 """
 
 from __future__ import annotations
@@ -46,10 +65,16 @@ from typing import Any
 
 import torch
 
+from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import Segment
+from dpfl_lightning.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
+from dpfl_lightning.plugins.control_variate_state import (ClientVectors, client_level_placements, held_placement,
+                                                          print_privacy_line, state_note)
+from dpfl_lightning.plugins.scaffold_commit import SCAFFOLDCommit
 from dpfl_lightning.releases import MetricRelease
+
+WARM_COHORTS = rng.PLUGIN + 50  # the warm start's permutation of the population
 
 
 def check_plain_sgd(owner: str, optimizer: torch.optim.Optimizer) -> None:
@@ -88,7 +113,12 @@ class SCAFFOLD(FederatedCallback):
 
     Args:
         warm_start: DP-SCAFFOLD-warm's initial control variates (the mean of ``K`` gradients at ``x0``).
-        warm_start_rounds: rounds spent on it (default ``ceil(M / m)``).
+        warm_start_rounds: rounds spent on it (default ``ceil(M / m)``: every client exactly once;
+            fewer rounds meet ``warm_start_rounds * m`` clients, the others start from ``c_i = 0``;
+            more rounds start another pass over a fresh permutation).
+
+    ``commit`` is the plugin that updates ``c_i`` from the ``dc`` each client sent; add it to the
+    plugins when a plugin bounds or noises ``dc`` (client-level DP).
     """
 
     order = ORDER_LOCAL_TRAINING + 1  # after DP-SGD: its optimizer is the one wrapped
@@ -100,24 +130,90 @@ class SCAFFOLD(FederatedCallback):
         self.warm_start = bool(warm_start)
         self.warm_start_rounds = warm_start_rounds
         self.c: torch.Tensor | None = None
-        self._warm = 0
+        self._commit = SCAFFOLDCommit(self)
+        self._c_i = ClientVectors("c_i")
+        self._deferred = False  # SCAFFOLDCommit updates c_i, after the noise
+        self._note: str | None = None
+        self._rounds_done = 0
+        self._warm_perm: tuple[int, torch.Tensor] | None = None  # (pass, permutation)
+
+    @property
+    def commit(self) -> SCAFFOLDCommit:
+        """The plugin that sets ``c_i <- c_i + dc`` with the ``dc`` each client sent (after the noise)."""
+        return self._commit
+
+    @property
+    def control_variates(self) -> dict[int, torch.Tensor]:
+        """The ``c_i`` this rank has used in this ``fit``, by client (the others are at their start)."""
+        return dict(self._c_i.met)
+
+    @property
+    def privacy_note(self) -> str | None:
+        """What the run's privacy statement says about ``c_i`` (``None`` without DP)."""
+        return self._note
+
+    # ------------------------------------------------------------------ set-up
+    def _warm_rounds(self, ctx) -> tuple[int, int]:
+        """The warm start's rounds and the most times they meet a client ((0, 0) without it)."""
+        if not self.warm_start:
+            return 0, 0
+        require(ctx.sampler.kind != "poisson", "SCAFFOLD.warm_start", True, "the warm start's cohorts are blocks of "
+                "a fixed size m (partitions of the population)", "use uniform or full sampling")
+        cover = math.ceil(ctx.data.num_clients / ctx.sampler.expected_cohort)  # rounds of one partition
+        rounds = cover if self.warm_start_rounds is None else self.warm_start_rounds
+        require(rounds < ctx.rounds, "SCAFFOLD.warm_start_rounds", rounds,
+                f"the warm start would take all {ctx.rounds} rounds", "raise trainer.rounds or lower warm_start_rounds")
+        return rounds, math.ceil(rounds / cover)
+
+    def configure_model(self, *, ctx, model: Any) -> Any:
+        # the first set-up hook: the planner must know the warm rounds before DP-SGD calibrates its noise
+        if self.warm_start and ctx.sampler.kind != "poisson":
+            ctx.privacy.meet_at_most(*self._warm_rounds(ctx))
+        return model
 
     def setup(self, *, ctx) -> None:
         require(not ctx.normalize_update_by_lr, "trainer.normalize_update_by_lr", True,
                 "SCAFFOLD's c_i update (x - y_i) / (K eta_l) needs the raw model difference", "leave it False")
-        require(ctx.sampler.kind != "poisson" or not self.warm_start, "SCAFFOLD.warm_start", True,
-                "the warm start spreads clients over rounds of a fixed-size cohort", "use uniform or full sampling")
         self.num_clients = ctx.data.num_clients
-        if self.warm_start and self.warm_start_rounds is None:
-            self.warm_start_rounds = math.ceil(self.num_clients / ctx.sampler.expected_cohort)
-        require(not self.warm_start or self.warm_start_rounds < ctx.rounds, "SCAFFOLD.warm_start_rounds",
-                self.warm_start_rounds, f"the warm start would take all {ctx.rounds} rounds",
-                "raise trainer.rounds or lower warm_start_rounds")
+        self._cohort = int(ctx.sampler.expected_cohort)
+        warm, times = self._warm_rounds(ctx)
+        if warm and ctx.privacy.block_rounds != warm:  # planning without a model: no configure_model
+            ctx.privacy.meet_at_most(warm, times)
+        if self.warm_start:
+            self.warm_start_rounds = warm
+            self._cover = math.ceil(self.num_clients / self._cohort)
         if ctx.module is None:
             return
         self._grads = FlatGrads(ctx.module.parameter_list, ctx.module.parameter_slices)
         if self.c is None:
             self.c = torch.zeros(ctx.module.num_parameters, dtype=torch.float64, device=ctx.device)
+
+    def on_fit_start(self, *, ctx) -> None:
+        mechanisms = ctx.mechanisms
+        at_clients = client_level_placements(mechanisms, "dc")
+        require(at_clients or not client_level_placements(mechanisms, UPDATE), "SCAFFOLD", "dc",
+                "client-level DP covers the update but not dc, whose un-noised sum would move c and the model",
+                "bound and noise both: UpdateClipping(C, segments=['update', 'dc']) and GaussianNoise(..., "
+                "segments=['update', 'dc'])")
+        changed = bool(at_clients) or ctx.norm_bound(("dc",), before=None) is not None
+        self._deferred = id(self._commit) in ctx.positions
+        require(self._deferred or not changed, "trainer.plugins", "SCAFFOLD without its commit plugin",
+                "a plugin bounds or noises dc after SCAFFOLD computes it, and c_i must follow the dc the client sent "
+                "for c to stay the mean of the c_i", "add the SCAFFOLD instance's .commit to the plugins: "
+                "plugins=[scaffold, scaffold.commit, UpdateClipping(...), GaussianNoise(...)]")
+        amplified = sorted({m.placement for m in mechanisms if m.granularity == "client"} - {"local"})
+        require(not (self.warm_start and amplified), "SCAFFOLD.warm_start", True,
+                f"client-level {'/'.join(amplified)} noise is accounted per round as amplified by client sampling, "
+                "and the warm start's cohorts are blocks of one partition, not sampled",
+                "use warm_start=False, local noise or DP-SGD clients")
+        held = held_placement(mechanisms, "dc")
+        require(not (ctx.secure and 0 < self._rounds_done < self.warm_start_rounds), "resume", self._rounds_done,
+                "a secure run resumed inside the warm start would draw a fresh partition (its secret is not "
+                "checkpointed) and could meet clients twice", "resume from a checkpoint after the warm start")
+        self._c_i.reset(held is not None, self.c.clone() if held else torch.zeros_like(self.c))
+        self._warm_perm = None
+        self._note = state_note("SCAFFOLD", "c_i", "dc", mechanisms, "the checkpointed c")
+        print_privacy_line(ctx, self._note)
 
     def payload_segments(self, *, ctx) -> list[Segment]:
         d = ctx.module.num_parameters if ctx.module is not None else 1
@@ -126,19 +222,29 @@ class SCAFFOLD(FederatedCallback):
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [MetricRelease("warm_start", "public", "SCAFFOLD", "1 during the warm-start rounds")]
 
+    # ------------------------------------------------------------------ a round
     def _warming(self, round_idx: int) -> bool:
         return self.warm_start and round_idx < self.warm_start_rounds
+
+    def _warm_cohort(self, server, round_idx: int) -> tuple[int, ...]:
+        """Round ``round_idx``'s warm-start cohort: block ``round_idx mod ceil(M/m)`` of ``m`` clients (the
+        last may be smaller) of a random permutation of the population, a fresh one per pass."""
+        passed, block = divmod(round_idx, self._cover)
+        if self._warm_perm is None or self._warm_perm[0] != passed:
+            perm = server.random.stream(passed, rng.SERVER_CLIENT, WARM_COHORTS).randperm(self.num_clients)
+            self._warm_perm = (passed, perm)
+        members = self._warm_perm[1][block * self._cohort : (block + 1) * self._cohort]
+        return tuple(sorted(int(c) for c in members))
 
     def before_round(self, *, plan, server) -> None:
         if self._warming(plan.round_idx):
             plan.lr_factor = 0.0  # gradients at x0: the model does not move
+            plan.cohort = self._warm_cohort(server, plan.round_idx)  # the ledger accounts this cohort
 
     def on_client_start(self, *, client) -> None:
-        state = client.state
-        if "c_i" not in state:
-            state["c_i"] = torch.zeros_like(self.c)
+        c_i = self._c_i.of(client.client, client.state)
         scratch = client.scratch
-        scratch["scaffold_correction"] = (self.c - state["c_i"]).to(torch.float32)
+        scratch["scaffold_correction"] = (self.c - c_i).to(torch.float32)
         scratch["scaffold_grads"] = torch.zeros_like(self.c) if self._warming(client.round_idx) else None
         scratch["scaffold_steps"] = 0  # K: the optimizer steps taken
         scratch["scaffold_lr_sum"] = 0.0  # K eta_l: the sum of their learning rates
@@ -175,8 +281,9 @@ class SCAFFOLD(FederatedCallback):
             self._grads.add_(scratch["scaffold_correction"])  # g + c - c_i
 
     def on_client_end(self, *, client) -> None:
-        scratch, c_i, dc = client.scratch, client.state["c_i"], client.payload["dc"]
-        if client.replay:  # a non-finite client is skipped: no control-variate change, c_i as before the round
+        scratch, dc = client.scratch, client.payload["dc"]
+        c_i = self._c_i.of(client.client, client.state)
+        if client.replay:  # a non-finite client is skipped: it sends dc = 0, c_i as before the round
             dc.zero_()
             before = scratch.pop("scaffold_c_i_before", None)
             if before is not None:
@@ -191,11 +298,20 @@ class SCAFFOLD(FederatedCallback):
         else:  # no step moved the model: nothing to learn about the client's gradients
             new = c_i
         dc.copy_(new - c_i)
-        if bool(torch.isfinite(dc).all()):
-            # what the server adds up, so that c stays the mean of the c_i; undone on a replay (a
-            # segment found non-finite after this plugin)
-            scratch["scaffold_c_i_before"] = c_i.clone()
-            c_i.add_(dc.double())
+        if not self._deferred:  # nothing after SCAFFOLD changes dc: it is sent as computed
+            self.commit_sent(client)
+
+    def commit_sent(self, client) -> None:
+        """``c_i <- c_i + dc`` with the ``dc`` in ``client.payload`` as it leaves the client (line 17:
+        what the server adds to ``c``). A non-finite ``dc`` is left to the trainer, which replays the
+        client with a zero update; a replay adds what the zero ``dc`` carries (its noise, if any)."""
+        dc = client.payload["dc"]
+        if not bool(torch.isfinite(dc).all()):
+            return
+        c_i = self._c_i.of(client.client, client.state)
+        if not client.replay:  # undone if the trainer replays the client (a segment found non-finite later)
+            client.scratch["scaffold_c_i_before"] = c_i.clone()
+        c_i.add_(dc.double())
 
     def on_server_update(self, *, server) -> None:
         # after every on_aggregate (noise on dc, if any): c + l * mean dc = c + (1/M) sum dc
@@ -206,11 +322,14 @@ class SCAFFOLD(FederatedCallback):
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         if self.warm_start:
             metrics["warm_start"] = float(self._warming(server.round_idx))
+        self._rounds_done = server.round_idx + 1
 
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"c": None if self.c is None else self.c.detach().cpu().clone()}
+        return {"c": None if self.c is None else self.c.detach().cpu().clone(), "rounds": self._rounds_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("c") is not None:
             device = self.c.device if self.c is not None else "cpu"
             self.c = state["c"].to(device)
+        self._rounds_done = int(state.get("rounds", 0))

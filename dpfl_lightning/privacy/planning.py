@@ -60,6 +60,14 @@ class PrivacyPlanner:
         self.steps_for = steps_for
         self.min_records = min_records
         self.calibrations: list[tuple[float, str]] = []  # (delta, accountant) of every calibration
+        self.block_rounds, self.block_times = 0, 0  # see meet_at_most
+
+    def meet_at_most(self, rounds: int, times: int) -> None:
+        """The first ``rounds`` rounds draw their cohorts as blocks of partitions of the population
+        (SCAFFOLD's warm start), not from the sampler, and meet each client at most ``times`` times:
+        a client's participations are then at most ``times +`` those of the sampled rounds after."""
+        self.block_rounds, self.block_times = int(rounds), int(times)
+        self._counts.clear()
 
     @property
     def secure(self) -> bool:
@@ -75,7 +83,11 @@ class PrivacyPlanner:
     def counts(self, rounds: int) -> np.ndarray:
         """Every client's planned participations in rounds ``0 .. rounds-1`` (a simulation)."""
         if rounds not in self._counts:
-            self._counts[rounds] = self._participations(rounds)
+            counts = self._participations(rounds)
+            if self.block_rounds:  # the sampler's cohorts of those rounds are not drawn
+                first = min(rounds, self.block_rounds)
+                counts = counts - self._participations(first) + self.block_times * (first > 0)
+            self._counts[rounds] = counts
         return self._counts[rounds]
 
     def tail(self, delta: float) -> float:
@@ -86,7 +98,9 @@ class PrivacyPlanner:
         """The planned participations of the busiest of ``clients`` (all if ``None``) in ``rounds``
         rounds; in secure mode the binomial bound at ``tail(delta)``."""
         if self.secure:
-            return participation_bound(rounds, self.sampling.rate, self.tail(delta))
+            first = min(rounds, self.block_rounds)
+            return self.block_times * (first > 0) + participation_bound(rounds - first, self.sampling.rate,
+                                                                         self.tail(delta))
         counts = self.counts(rounds)
         return int(counts.max() if clients is None else counts[list(clients)].max())
 

@@ -3,7 +3,6 @@
 Configuration follows LightningCLI's YAML layout, parsed with jsonargparse (LightningCLI itself
 only accepts ``lightning.Trainer``)::
 
-    seed_everything: 0  # the model's initialisation (default: trainer.seed)
     trainer:            # FederatedTrainer arguments; plugins / algorithm / loggers as class_path + init_args
       rounds: 50
       plugins:
@@ -12,17 +11,13 @@ only accepts ``lightning.Trainer``)::
     model:              # any LightningModule
       class_path: dpfl_lightning.models.MLPClassifier
       init_args: {in_features: 64}
-    data:               # a FederatedDataModule, or any LightningDataModule (split as `split:` says)
+    data:               # a FederatedDataModule (built-in source or from_datamodule-style)
       class_path: dpfl_lightning.data.Digits
       init_args: {num_clients: 100}
 
-``-c`` / ``--config`` reads a file, ``--print_config`` prints the resolved configuration, dotted
-overrides such as ``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply after the file.
-Every fit saves ``config.yaml`` next to its ``metrics.csv``: ``dpfl fit --config`` that file reruns
-the run exactly. ``dpfl validate | test | predict --ckpt_path RUN`` evaluates a trained run (a run
-directory, or a checkpoint with ``--config``) under ``lightning.Trainer``, see
-:mod:`dpfl_lightning.evaluation`. Bad input ends with one line naming the setting, what is wrong
-and the fix (the closest valid option or class), and exit status 2 (:mod:`dpfl_lightning.cli_errors`).
+``--print_config`` prints the resolved configuration; dotted overrides such as
+``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply after the file. Bad input ends
+with one line naming the setting and the fix, and exit status 2.
 
 Other subcommands: ``dpfl privacy ...`` (accounting without training), ``dpfl sweep SWEEP.yaml``
 (every configuration of a W&B-format sweep file as its own run, see :mod:`dpfl_lightning.sweep`)

@@ -203,8 +203,9 @@ class LightningRun:
                     trainer.accumulate_grad_batches, "automatic gradient accumulation is not supported with manual "
                     "optimization (as in Lightning)", "accumulate in training_step, or remove the setting")
         if _uses_dpsgd(trainer.plugins):
-            require(not trainer.gradient_clip_val and not is_overridden(inner, "configure_gradient_clipping"),
-                    "trainer.gradient_clip_val", trainer.gradient_clip_val or "configure_gradient_clipping",
+            # (a configure_gradient_clipping override runs, with no value to clip at; clipping at a value
+            # through self.clip_gradients is refused at the step that does it)
+            require(not trainer.gradient_clip_val, "trainer.gradient_clip_val", trainer.gradient_clip_val,
                     "DPSGD clips every record's gradient at max_grad_norm and ignores the batch gradient, so local "
                     "gradient clipping would have no effect", "remove it (DPSGD(max_grad_norm=...) is the bound)")
             require(trainer.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",

@@ -245,3 +245,59 @@ def test_dpsgd_refuses_a_trainable_layer_run_in_eval_mode(log_dir):
     t = quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)])
     t.fit(late, tiny_data())
     assert math.isfinite(t.history[-1]["epsilon"])
+
+
+class SelfAttention(TinyClassifier):
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        if layout == "in_encoder":
+            self.attn = nn.TransformerEncoderLayer(10, 2, 16, dropout=0.0, batch_first=True)
+        else:
+            self.attn = nn.MultiheadAttention(10, 2, batch_first=layout == "batch_first")
+
+    def forward(self, x):
+        seq = x.view(x.shape[0], 2, 5).repeat(1, 1, 2)  # (batch, 2 tokens, 10)
+        causal = nn.Transformer.generate_square_subsequent_mask(2)
+        if self.layout == "in_encoder":
+            seq = self.attn(seq, src_mask=causal, is_causal=True)
+        elif self.layout == "batch_first":
+            seq = self.attn(seq, seq, seq, attn_mask=causal)[0]
+        else:
+            t = seq.transpose(0, 1)
+            seq = self.attn(t, t, t, attn_mask=causal)[0].transpose(0, 1)
+        return self.net(seq.mean(1))
+
+
+@pytest.mark.parametrize("layout", ["batch_first", "sequence_first", "in_encoder"])
+def test_fix_model_refuses_attention_that_opacus_would_replace_by_another_computation(log_dir, layout):
+    model = SelfAttention(layout)
+    layers = dict(model.named_modules())
+    with pytest.raises(ConfigError, match=r"DPSGD.fix_model=\['attn.*'\]: .*MultiheadAttention.*is_causal") as err:
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=6,
+                      plugins=[DPSGD(noise_multiplier=0.5, fix_model=True)]).fit(model, tiny_data())
+    assert dict(model.named_modules()) == layers and "\n" not in str(err.value)
+    model.attn.requires_grad_(False)  # the fix it names: a frozen attention layer needs no per-record gradients
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=6,
+                            plugins=[DPSGD(noise_multiplier=0.5, fix_model=True)])
+    trainer.fit(model, tiny_data())
+    assert math.isfinite(trainer.history[-1]["my_val_loss"])
+
+
+class ClipsOnlyWhenAsked(TinyClassifier):
+    def __init__(self, clip=None):
+        super().__init__()
+        self.clip, self.calls = clip, 0
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.calls += 1
+        self.clip_gradients(optimizer, gradient_clip_val=self.clip or gradient_clip_val)
+
+
+def test_configure_gradient_clipping_runs_under_dpsgd_unless_it_clips(log_dir):
+    model = ClipsOnlyWhenAsked()
+    quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)]).fit(model, tiny_data())
+    assert model.calls == 2 * 3  # called at every step, as lightning.Trainer calls it, with nothing to clip
+    with pytest.raises(ConfigError, match="DP-SGD clips every record's gradient"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)]).fit(
+            ClipsOnlyWhenAsked(clip=0.5), tiny_data())

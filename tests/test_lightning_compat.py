@@ -902,6 +902,11 @@ def test_lightning_transformer_demo(log_dir, plugins):
         with pytest.raises(ConfigError, match="DPSGD.*MultiheadAttention") as err:
             trainer.fit(model, data)
         assert "\n" not in str(err.value)
+        # fix_model's replacement fails on the demo's causal mask: refused at set-up, the model left as it was
+        trainer = quiet_trainer(log_dir, rounds=3, batch_size=4, plugins=[DPSGD(noise_multiplier=0.3, fix_model=True)])
+        with pytest.raises(ConfigError, match="DPSGD.fix_model.*is_causal"):
+            trainer.fit(model, data)
+        assert isinstance(model.model.transformer.encoder.layers[0].self_attn, nn.MultiheadAttention)
         return
     trainer.fit(model, data)
     model.eval()

@@ -84,6 +84,15 @@ def _fixes(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.
     return out
 
 
+def _attention(model: torch.nn.Module) -> list[str]:
+    """The trainable ``nn.MultiheadAttention`` layers. Opacus's fixer would replace them by its
+    ``DPMultiheadAttention``, which computes another function for ``batch_first=True`` inputs (its
+    output is reshaped across heads), takes per-record gradients over the sequence axis for
+    sequence-first inputs (the per-record gradients here are batch-first), and fails an assertion on
+    the ``is_causal`` hint that torch's Transformer layers pass with a causal mask."""
+    return [name for name, sub in trainable_modules(model) if type(sub) is torch.nn.MultiheadAttention]
+
+
 def _put(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
@@ -206,6 +215,13 @@ class DPSGD(FederatedCallback):
                               f"Opacus cannot compute per-record gradients for this model: {'; '.join(problems)}",
                               "set DPSGD(fix_model=True) to replace those layers (BatchNorm -> GroupNorm), "
                               "or change the model")
+        attention = _attention(model)
+        if attention:
+            raise ConfigError("DPSGD.fix_model", attention[:3], "Opacus's replacement of nn.MultiheadAttention "
+                              "(DPMultiheadAttention) computes another function on batch_first inputs, per-record "
+                              "gradients over the sequence axis on sequence-first ones, and fails on the is_causal hint "
+                              "of torch's Transformer layers", "freeze the attention layers (requires_grad=False), or "
+                              "protect the clients' data with DP-FedAvg (update clipping and noise) instead of DPSGD")
         fixes = _fixes(model)
         for name, _, new in fixes:
             _put(model, name, new)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from dpfl_lightning.errors import require
 
@@ -30,6 +31,8 @@ class RoundPlan:
         batch_sampling: ``shuffle`` (passes over the data), or DP-SGD's ``poisson`` / ``fixed``
             (every batch drawn independently, as its accountant assumes).
         lr_factor: the clients' learning rates are multiplied by this (client lr decay).
+        trainable: a bool mask over the flat parameters of those trainable when the round starts
+            (``None``: all); frozen ones are not part of the round's update (:mod:`dpfl_lightning.frozen`).
     """
 
     round_idx: int
@@ -40,6 +43,7 @@ class RoundPlan:
     batch_sampling: str = "shuffle"
     lr_factor: float = 1.0
     notes: dict[str, float] = field(default_factory=dict)
+    trainable: Any = None
 
     def validate(self) -> None:
         require((self.local_steps is None) != (self.local_epochs is None), "RoundPlan.local_steps",

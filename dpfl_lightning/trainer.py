@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
 from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning import placement
+from dpfl_lightning import frozen, placement
 from dpfl_lightning.aggregation import PayloadAggregator
 from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, make_communicator
@@ -353,6 +353,8 @@ class FederatedTrainer:
     def _plan(self, r: int) -> tuple[RoundPlan, ServerContext]:
         run = self.run
         plan = run.default_plan(r)
+        plan.trainable = frozen.trainable_mask(self.module.parameter_list, self.module.parameter_slices,
+                                               self.module.num_parameters, run.device)
         server = ServerContext(r, plan, run.random, self.data.num_clients, self.module.global_params,
                                client_state=self.client_state, stop=self.stop,
                                next_plan=lambda: run.default_plan(r + 1) if r + 1 < self.rounds else None)

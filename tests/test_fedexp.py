@@ -12,6 +12,7 @@ from dp_accounting import rdp as dp_rdp
 
 from dpfl_lightning.algorithms import CDPFedEXP, DPFedAvg, FedEXP, LDPFedEXP
 from dpfl_lightning.payload import Aggregate
+from dpfl_lightning.plan import RoundPlan
 from dpfl_lightning.plugins import FedEXP as FedEXPPlugin
 from dpfl_lightning.plugins import PrivacyLedger
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
@@ -19,7 +20,7 @@ from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
 
 def _server(update, n, **sums):
     agg = Aggregate(0, {k: torch.tensor([v], dtype=torch.float64) for k, v in sums.items()}, n, float(n))
-    return SimpleNamespace(aggregate=agg, update=torch.as_tensor(update, dtype=torch.float64))
+    return SimpleNamespace(aggregate=agg, update=torch.as_tensor(update, dtype=torch.float64), plan=RoundPlan(0, ()))
 
 
 def _plugin(variant, **kw):

@@ -28,7 +28,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import Segment
 from dpfl_lightning.plugins.gaussian_noise import NOISE_TAIL
-from dpfl_lightning.plugins.sensitivity import SensitivityBound, scale_to_norm_
+from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.releases import MetricRelease
 
@@ -120,18 +120,12 @@ class AdaptiveClip(SensitivityBound):
         self._cohort = max(len(plan.cohort), 1)
 
     def on_client_end(self, *, client) -> None:
-        norm = scale_to_norm_([client.payload[s] for s in self.segments], self.max_norm, self.only_if_above)
-        if math.isfinite(norm):
-            client.checked_finite.update(self.segments)
+        norm = self.bound_payload(client)
         bit = client.payload["clip_bit"]
         bit.fill_((1.0 if norm <= self._round_bound else 0.0) - 0.5)
         if self.placement == "distributed":
             stream = client.random.stream(client.round_idx, client.client, COUNT_NOISE)
             stream.add_normal_(bit, self.sigma_b / math.sqrt(self._cohort))
-        if self.log_norms:
-            client.payload["raw_norm"].fill_(norm)
-            client.payload["raw_norm_sq"].fill_(norm * norm)
-            client.payload["bounded"].fill_(float(norm > self.max_norm or not self.only_if_above))
 
     def on_aggregate(self, *, server) -> None:
         if self.placement == "central":

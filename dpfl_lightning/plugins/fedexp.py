@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from dpfl_lightning import rng
+from dpfl_lightning import frozen, rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_SERVER_STEP, FederatedCallback
@@ -183,8 +183,8 @@ class FedEXP(FederatedCallback):
         denom = float(torch.linalg.vector_norm(c_bar, dtype=torch.float64)) ** 2
         if self.variant == "ldp_privunit":
             numerator = agg.scalar("norm_sq_estimate") / n
-        elif self.variant == "ldp_gaussian":
-            numerator = agg.scalar("norm_sq") / n - self._d * self._sigma**2
+        elif self.variant == "ldp_gaussian":  # the noise dimension: the trainable part
+            numerator = agg.scalar("norm_sq") / n - frozen.count(server.plan.trainable, self._d) * self._sigma**2
         else:
             numerator = agg.scalar("norm_sq") / n  # cdp: xi is in the sum already
         if self.variant == "plain":

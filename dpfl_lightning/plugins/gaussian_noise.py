@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from dpfl_lightning import rng
+from dpfl_lightning import frozen, rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
@@ -62,9 +62,13 @@ def check_noise_multiplier(owner: str, value: float | None, allow_infinite_epsil
     require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
             f"{owner}.{setting}", value, "must be a finite number >= 0", f"set {setting} to a positive number")
     lo, hi = MULTIPLIER_RANGE
-    require(value == 0 or lo <= value <= hi, f"{owner}.{setting}", value,
-            f"a noise multiplier outside [{lo:g}, {hi:g}] either gives no meaningful guarantee or drowns every update",
+    require(value <= hi, f"{owner}.{setting}", value,
+            f"a noise multiplier above {hi:g} drowns every update (and overflows the accountants)",
             f"set {setting} in [{lo:g}, {hi:g}] (typical: 0.5 to 20)")
+    require(value == 0 or value >= lo or allow_infinite_epsilon, f"{owner}.{setting}", value,
+            f"a noise multiplier below {lo:g} gives no meaningful guarantee (epsilon in the millions)",
+            f"set {setting} in [{lo:g}, {hi:g}] (typical: 0.5 to 20), or allow_infinite_epsilon=True to run "
+            "without a guarantee knowingly")
     require(value > 0 or allow_infinite_epsilon, f"{owner}.noise_multiplier", value,
             "a noise multiplier of 0 adds no noise: epsilon is infinite, there is no DP guarantee",
             f"set noise_multiplier > 0, or {owner}(allow_infinite_epsilon=True) to run without noise knowingly")
@@ -160,7 +164,7 @@ class GaussianNoise(FederatedCallback):
                               "std / C_t would move with it while the ledger accounts one multiplier",
                               "give noise_multiplier= (sigma_t = z C_t follows the bound) or target_epsilon=")
         if self.std is not None and self._bound is not None and self.std > 0:
-            check_noise_multiplier("GaussianNoise", self.std / self._bound(), False, "std / C")
+            check_noise_multiplier("GaussianNoise", self.std / self._bound(), self.allow_infinite_epsilon, "std / C")
         if self.target_epsilon is not None:
             if self.delta is None:
                 self.delta = ctx.privacy.default_delta("client")
@@ -208,26 +212,28 @@ class GaussianNoise(FederatedCallback):
             return
         std = self._round_sigma if self.placement == "local" else self._round_sigma / math.sqrt(self._cohort_size)
         stream = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE, tag=self._tag)
-        for name in self.segments:
-            stream.add_normal_(client.payload[name], std)
+        for name in self.segments:  # frozen parameters are not part of the update: no noise on them
+            frozen.add_noise_(stream, client.payload[name], std, client.plan.trainable if name == UPDATE else None)
 
     def on_aggregate(self, *, server) -> None:
         if self.placement != "central":
             return
         stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, tag=self._tag)
         for name in self.segments:
-            stream.add_normal_(server.aggregate[name], self._round_sigma)
+            frozen.add_noise_(stream, server.aggregate[name], self._round_sigma,
+                              server.plan.trainable if name == UPDATE else None)
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         metrics["noise_std"] = self._round_sigma
         if self.placement != "local" and server.aggregate is not None and self._round_sigma > 0:
-            metrics["snr"] = self.signal_to_noise(server.aggregate, self._round_sigma)
+            metrics["snr"] = self.signal_to_noise(server.aggregate, self._round_sigma, server.plan.trainable)
 
-    def signal_to_noise(self, aggregate, sigma: float) -> float:
+    def signal_to_noise(self, aggregate, sigma: float, trainable=None) -> float:
         """``||signal|| / (sigma sqrt(d))`` of the noised sum (paper 003 Fig. 3), estimated from the
-        noised sum alone (``E||s + noise||^2 = ||s||^2 + d sigma^2``): post-processing of the release."""
+        noised sum alone (``E||s + noise||^2 = ||s||^2 + d sigma^2``): post-processing of the release.
+        ``d`` counts the noised entries (the trainable part of the update)."""
         sq = sum(float(torch.linalg.vector_norm(aggregate[n], dtype=torch.float64)) ** 2 for n in self.segments)
-        d = sum(aggregate[n].numel() for n in self.segments)
+        d = sum(frozen.count(trainable if n == UPDATE else None, aggregate[n].numel()) for n in self.segments)
         return math.sqrt(max(sq - d * sigma * sigma, 0.0)) / (sigma * math.sqrt(d))
 
     def state_dict(self) -> dict:

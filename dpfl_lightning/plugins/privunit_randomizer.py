@@ -65,6 +65,13 @@ class PrivUnitRandomizer(FederatedCallback):
         self._C = bound()
         d = ctx.module.num_parameters if ctx.module is not None else 2
         self.consts = privunit.privunit_constants(d, self.eps0, self.eps1, self.eps2, self._C, self.gamma_rule)
+        self._by_dim = {d: self.consts}
+
+    def _constants(self, d: int) -> privunit.PrivUnitConstants:
+        """The constants for a ``d``-dimensional input (the trainable part, when some parameters are frozen)."""
+        if d not in self._by_dim:
+            self._by_dim[d] = privunit.privunit_constants(d, self.eps0, self.eps1, self.eps2, self._C, self.gamma_rule)
+        return self._by_dim[d]
 
     def payload_segments(self, *, ctx) -> list[Segment]:
         return [Segment("norm_sq_estimate", 1, "released", "PrivUnitRandomizer")]
@@ -82,9 +89,15 @@ class PrivUnitRandomizer(FederatedCallback):
         return bound
 
     def on_client_end(self, *, client) -> None:
-        u = client.payload[UPDATE]
+        u, mask = client.payload[UPDATE], client.plan.trainable
+        x = u.detach() if mask is None else u.detach()[mask]  # frozen parameters are not part of the update
+        consts = self._constants(x.numel())
         stream = client.random.stream(client.round_idx, client.client, PRIVUNIT)  # the CSPRNG in secure mode
-        release = privunit.privatize(u.detach().to("cpu", torch.float64), self.consts, stream)
-        u.copy_(release.c.to(u.device, u.dtype))
-        s_hat = privunit.estimate_sq_norm_of(release.c, self.consts)
+        release = privunit.privatize(x.to("cpu", torch.float64), consts, stream)
+        if mask is None:
+            u.copy_(release.c.to(u.device, u.dtype))
+        else:
+            u.zero_()
+            u[mask] = release.c.to(u.device, u.dtype)
+        s_hat = privunit.estimate_sq_norm_of(release.c, consts)
         client.payload["norm_sq_estimate"].fill_(float(s_hat))

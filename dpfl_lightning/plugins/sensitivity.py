@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from dpfl_lightning import frozen
 from dpfl_lightning.errors import require
 from dpfl_lightning.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
@@ -129,6 +130,13 @@ class SensitivityBound(FederatedCallback):
         return bound
 
     def on_client_end(self, *, client) -> None:
+        self.bound_payload(client)
+
+    def bound_payload(self, client) -> float:
+        """Bound the client's segments to ``max_norm`` (frozen parameters zeroed first: they are not
+        part of the update, so neither bounded nor sent); return their norm before."""
+        if UPDATE in self.segments:
+            frozen.zero_frozen_(client.payload[UPDATE], client.plan.trainable)
         norm = scale_to_norm_([client.payload[s] for s in self.segments], self.max_norm, self.only_if_above)
         if math.isfinite(norm):  # finite values, scaled by a finite factor: the trainer need not check
             client.checked_finite.update(self.segments)
@@ -136,6 +144,7 @@ class SensitivityBound(FederatedCallback):
             client.payload["raw_norm"].fill_(norm)
             client.payload["raw_norm_sq"].fill_(norm * norm)
             client.payload["bounded"].fill_(float(norm > self.max_norm or not self.only_if_above))
+        return norm
 
     def before_round(self, *, plan, server) -> None:
         self._round_bound = self.max_norm  # an adaptive bound may move during the round

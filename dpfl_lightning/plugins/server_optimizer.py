@@ -81,9 +81,13 @@ class ServerOptimizer(FederatedCallback):
             for i in range(0, update.numel(), _BLOCK):  # blocks: a mixed-dtype add of a large model is slow
                 param[i : i + _BLOCK].add_(update[i : i + _BLOCK].to(param.dtype), alpha=lr)
             return
+        mask = server.plan.trainable
+        kept = None if mask is None else self._param.detach()[~mask].clone()
         self._param.grad = server.update.to(self._param.dtype).neg_()
         self._opt.step()
         self._param.grad = None
+        if kept is not None:  # frozen parameters stay as they are (momentum, Adam and weight decay move them)
+            self._param.detach()[~mask] = kept
 
     def state_dict(self) -> dict:
         return {"optimizer": self._opt.state_dict()} if self._opt is not None else {}

@@ -301,3 +301,76 @@ def test_configure_gradient_clipping_runs_under_dpsgd_unless_it_clips(log_dir):
     with pytest.raises(ConfigError, match="DP-SGD clips every record's gradient"):
         quiet_trainer(log_dir, rounds=1, clients_per_round=2, plugins=[DPSGD(noise_multiplier=1.0)]).fit(
             ClipsOnlyWhenAsked(clip=0.5), tiny_data())
+
+
+class UnfreezesInRound(TinyClassifier):
+    """A first layer frozen in __init__ and unfrozen from round ``r`` on (gradual unfreezing), in
+    ``on_train_epoch_start`` or in ``configure_optimizers`` (which runs for every client)."""
+
+    def __init__(self, r=1, where="on_train_epoch_start"):
+        super().__init__()
+        self.r, self.where = r, where
+        self.net[0].requires_grad_(False)
+        self.first_layer_by_round = []
+
+    def _unfreeze(self):
+        if self.current_epoch >= self.r:
+            self.net[0].requires_grad_(True)
+
+    def on_train_epoch_start(self):
+        if self.where == "on_train_epoch_start":
+            self._unfreeze()
+
+    def configure_optimizers(self):
+        if self.where == "configure_optimizers":
+            self._unfreeze()
+        return super().configure_optimizers()
+
+    def on_validation_start(self):
+        self.first_layer_by_round.append(self.net[0].weight.detach().clone())
+
+
+class PerRecordGradientsSeen(FederatedCallback):
+    def __init__(self):
+        self.first_layer = []
+
+    def on_before_optimizer_step(self, *, client, optimizer):
+        gs = client.model.net[0].weight.grad_sample
+        self.first_layer.append(None if gs is None else gs.shape[0])
+
+
+@pytest.mark.parametrize("where", ["on_train_epoch_start", "configure_optimizers"])
+def test_a_layer_frozen_in_init_and_unfrozen_in_a_later_round_trains_under_dpsgd(log_dir, where):
+    model, seen = UnfreezesInRound(where=where), PerRecordGradientsSeen()
+    start = model.net[0].weight.detach().clone()
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2, local_steps=2, batch_size=4,
+                            plugins=[DPSGD(noise_multiplier=0.5, sampling="fixed"), seen])
+    trainer.fit(model, tiny_data())
+    first = model.first_layer_by_round
+    assert torch.equal(first[0], start)  # frozen in round 0
+    assert not torch.equal(first[1], first[0]) and not torch.equal(first[2], first[1])  # trained from round 1 on
+    assert seen.first_layer == [None] * 4 + [4] * 8  # per-record gradients once unfrozen
+
+
+class UnfreezesAttention(UnfreezesInRound):
+    def __init__(self):
+        super().__init__()
+        self.net[0].requires_grad_(True)
+        self.attn = nn.MultiheadAttention(10, 2).requires_grad_(False)  # frozen: not checked at set-up
+
+    def forward(self, x):
+        t = x.unsqueeze(0)
+        return self.net(self.attn(t, t, t)[0][0])
+
+    def _unfreeze(self):
+        if self.current_epoch >= self.r:
+            self.attn.requires_grad_(True)
+
+
+def test_a_layer_opacus_cannot_handle_unfrozen_later_is_refused_before_its_step(log_dir):
+    model = UnfreezesAttention()
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2, plugins=[DPSGD(noise_multiplier=0.5)])
+    with pytest.raises(ConfigError, match="model='attn': a layer unfrozen during training is one Opacus cannot "
+                                          "compute per-record gradients for.*MultiheadAttention"):
+        trainer.fit(model, tiny_data())
+    assert len(trainer.history) == 1

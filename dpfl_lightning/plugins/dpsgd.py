@@ -50,23 +50,51 @@ def _unsupported_layers(model: torch.nn.Module) -> list[str]:
     return list(dict.fromkeys(e for e in errors if "training mode" not in e))
 
 
+def _has_params(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
 class _GradSamples(GradSampleModule):
-    """Opacus's ``GradSampleModule`` that hooks each layer once. Opacus walks the module tree by name,
-    so a layer registered under two names (``self.head = self.net[2]``) would be hooked twice, and a
-    layer inside a module whose per-record gradients Opacus takes whole with ``functorch`` (a module
-    with parameters of its own and no grad sampler: children included) would be hooked again where
-    it is registered under another name; both would add its per-record gradients twice. (A parameter
-    shared by two different layers, tied weights, is hooked in each, which adds its own part: right.)"""
+    """Opacus's ``GradSampleModule`` that hooks each layer once, frozen layers included.
+
+    Opacus walks the module tree by name, so a layer registered under two names (``self.head =
+    self.net[2]``) would be hooked twice, and a layer inside a module whose per-record gradients
+    Opacus takes whole with ``functorch`` (a module with parameters of its own and no grad sampler:
+    children included) would be hooked again where it is registered under another name; both would
+    add its per-record gradients twice. (A parameter shared by two different layers, tied weights, is
+    hooked in each, which adds its own part: right.)
+
+    Opacus hooks only the layers trainable when it wraps the model; the model is wrapped once per run,
+    so a layer frozen then and unfrozen in a later round (gradual unfreezing) would have no per-record
+    gradients. Every layer with parameters is hooked here: Opacus's hooks skip a layer while none of
+    its parameters needs a gradient, so a frozen layer costs nothing until it is unfrozen."""
+
+    def __init__(self, m: torch.nn.Module, **kwargs: Any) -> None:
+        super().__init__(m, **kwargs)
+        for p in m.parameters():  # what Opacus sets on trainable parameters only
+            if not hasattr(p, "_forward_counter"):
+                p.grad_sample = None
+                p._forward_counter = 0
 
     def iterate_submodules(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
-        found = list({id(m): m for m in super().iterate_submodules(module)}.values())  # each once, in order
+        found = list({id(m): m for m in self._with_params(module)}.values())  # each once, in order
         whole = [m for m in found if self._takes_children(m)]
         inside = {id(sub) for m in whole for sub in m.modules() if sub is not m}
         return [m for m in found if id(m) not in inside]
 
+    def _with_params(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
+        """Opacus's walk (``GradSampleModule.iterate_submodules``) over layers with parameters, trainable
+        or not."""
+        if _has_params(module):
+            yield module
+        if self._takes_children(module):
+            return
+        for child in module.children():
+            yield from self._with_params(child)
+
     def _takes_children(self, module: torch.nn.Module) -> bool:
-        """Opacus's rule (``GradSampleModule.iterate_submodules``) for a module it does not recurse into."""
-        return has_trainable_params(module) and type(module) not in self.GRAD_SAMPLERS \
+        """Opacus's rule for a module it does not recurse into (its per-record gradients come whole)."""
+        return _has_params(module) and type(module) not in self.GRAD_SAMPLERS \
             and type(module) not in (DPRNN, DPLSTM, DPGRU)
 
 
@@ -203,6 +231,7 @@ class DPSGD(FederatedCallback):
         self.replaced: list[str] = []
         self._grad_sample_module = None
         self._coverage_checked = False
+        self._trainable: tuple[bool, ...] | None = None
         self._profiles: tuple[RecordProfile, ...] = ()
 
     # ------------------------------------------------------------------ set-up
@@ -244,6 +273,7 @@ class DPSGD(FederatedCallback):
         require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
                 "set trainer.batch_size (the expected batch size B)")
         self._coverage_checked = False
+        self._trainable: tuple[bool, ...] | None = None
         self._profiles = self._client_profiles(ctx)
         if self.target_epsilon is not None:
             if self.delta is None:
@@ -261,9 +291,11 @@ class DPSGD(FederatedCallback):
             # Opacus records a layer's activations only in train mode, and the submodules keep the
             # modes the user gives them (hooks such as on_train_start may change them): a trainable
             # layer run in eval mode with gradients on is refused when it runs, with its name.
-            self._mode_hooks = [m.register_forward_pre_hook(self._refuse_eval_mode(name or type(m).__name__))
-                                for name, m in ctx.model.named_modules()
-                                if any(p.requires_grad for p in m.parameters(recurse=False))]
+            # (every layer with parameters: one frozen now may be unfrozen in a later round, and is then
+            # checked as set-up checked the trainable ones)
+            checked = {id(m) for _, m in trainable_modules(ctx.model)}
+            self._mode_hooks = [m.register_forward_pre_hook(self._check_layer(name or type(m).__name__, checked))
+                                for name, m in ctx.model.named_modules() if _has_params(m)]
 
     def _client_profiles(self, ctx) -> tuple[RecordProfile, ...]:
         """Clients grouped by dataset size (their sampling rate and steps differ)."""
@@ -285,9 +317,14 @@ class DPSGD(FederatedCallback):
         plan.batch_sampling = self.sampling  # batches drawn the way the accountant assumes
 
     def on_before_optimizer_step(self, *, client, optimizer) -> None:
-        """Once per fit, at the first local step: every trainable parameter must have per-record
-        gradients. Opacus computes them per layer; a parameter used outside its layers' forward
-        (say, a temperature multiplied in ``training_step``) would silently get noise only."""
+        """At the first local step, and again at the first step after the set of trainable parameters
+        changed (a layer unfrozen in a later round): every trainable parameter must have per-record
+        gradients, from a layer Opacus supports. Opacus computes them per layer; a parameter used
+        outside its layers' forward (say, a temperature multiplied in ``training_step``) would silently
+        get noise only."""
+        trainable = tuple(p.requires_grad for p in client.model.parameters())
+        if trainable != self._trainable:
+            self._trainable, self._coverage_checked = trainable, False
         if self._coverage_checked:
             return
         params = [(n, p) for n, p in client.model.named_parameters() if p.requires_grad]
@@ -317,13 +354,25 @@ class DPSGD(FederatedCallback):
                                 expected_batch_size=expected, loss_reduction=self.loss_reduction, noise_stream=stream)
 
     @staticmethod
-    def _refuse_eval_mode(name: str):
+    def _check_layer(name: str, checked: set[int]):
+        """A forward pre-hook on a layer with parameters: while it is trainable and gradients are on, it
+        must run in train mode (Opacus records nothing of a layer in eval mode), and a layer unfrozen
+        after set-up must be one Opacus supports (checked at its first such forward)."""
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if not module.training and torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or not has_trainable_params(module):
+                return
+            if not module.training:
                 raise ConfigError("model", name, "DP-SGD needs per-record gradients of every trainable layer, and "
                                   "Opacus records none of a layer in eval mode",
                                   "keep the layer in train mode while training, or freeze its parameters "
                                   "(requires_grad=False)")
+            if id(module) not in checked:
+                problems = _unsupported_layers(module)
+                if problems:
+                    raise ConfigError("model", name, "a layer unfrozen during training is one Opacus cannot compute "
+                                      f"per-record gradients for: {'; '.join(problems)}",
+                                      "keep it frozen, or replace it in the model before training")
+                checked.add(id(module))
         return hook
 
     def on_fit_end(self, *, ctx) -> None:

@@ -388,7 +388,9 @@ class FederatedTrainer:
         server.aggregate = agg = Aggregate(plan.round_idx, sums, len(plan.cohort), run.denominator(plan, sums), skipped)
         self.call_hook("on_aggregate", server=server)
         if agg.denominator > 0:
-            server.update = update = agg.update_sum.div_(agg.denominator)
+            # into a buffer of its own: the aggregate keeps the (noised) sums the plugins' round-end
+            # statistics read (GaussianNoise's snr), and the server plugins scale the mean in place
+            server.update = update = torch.div(agg.update_sum, agg.denominator, out=self._mean_buffer(agg.update_sum))
             if not math.isfinite(float(update.sum())):  # one pass, no temporary: NaN/inf anywhere shows here
                 raise NonFiniteUpdateError(f"round {plan.round_idx + 1}: the aggregated update is not finite; nothing "
                                            "was applied. Fix: check the noise settings and the client learning rate")
@@ -420,6 +422,13 @@ class FederatedTrainer:
         self.round_times.append(time.perf_counter() - t0)
         metrics.update(self._tagged({"round_time_s": self.round_times[-1]}, "unaccounted"))
         return metrics
+
+    def _mean_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """The mean update's buffer, allocated once per run."""
+        buf = getattr(self, "_mean", None)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            self._mean = buf = torch.empty_like(like)
+        return buf
 
     def _refuse_undeclared_state(self, clients: list[int]) -> None:
         """Per-client state written (in a client's hooks or by the server) while no plugin declares

@@ -380,10 +380,10 @@ class FederatedTrainer:
                 print(f"note: {note}", flush=True)
         self._noted = True
         if "nonfinite" in sums and sums["nonfinite"].item() > 0:
-            bad = sorted(c for part in comm.allgather_object(bad) for c in part)
             raise NonFiniteUpdateError(
-                f"round {plan.round_idx + 1}: client(s) {bad} produced a non-finite (NaN/inf) update; nothing of this "
-                "round was applied. Fix: lower the client learning rate, check the data, or set trainer.on_nonfinite='skip'")
+                f"round {plan.round_idx + 1}: {self._who_failed(bad, int(round(sums['nonfinite'].item())))} produced a "
+                "non-finite (NaN/inf) update; nothing of this round was applied. Fix: lower the client learning rate, "
+                "check the data, or set trainer.on_nonfinite='skip'")
         skipped = int(round(sums["skipped"].item())) if "skipped" in sums else 0
         server.aggregate = agg = Aggregate(plan.round_idx, sums, len(plan.cohort), run.denominator(plan, sums), skipped)
         self.call_hook("on_aggregate", server=server)
@@ -422,6 +422,13 @@ class FederatedTrainer:
         self.round_times.append(time.perf_counter() - t0)
         metrics.update(self._tagged({"round_time_s": self.round_times[-1]}, "unaccounted"))
         return metrics
+
+    def _who_failed(self, bad: list[int], count: int) -> str:
+        """The clients of an error message (every rank calls this): by id without DP; in a DP run only
+        how many, since which clients took part (and failed) is what the guarantee hides."""
+        if self.private:
+            return f"{count} client{'' if count == 1 else 's'}"
+        return f"client(s) {sorted(c for part in self.comm.allgather_object(bad) for c in part)}"
 
     def _mean_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """The mean update's buffer, allocated once per run."""
@@ -503,8 +510,9 @@ class FederatedTrainer:
             ctx.checked_finite.clear()
             self.call_hook("on_client_end", client=ctx)
             if not bool(torch.isfinite(row).all()):
-                raise NonFiniteUpdateError(f"round {ctx.round_idx + 1}: the plugins turned client {ctx.client}'s zero "
-                                           "update into a non-finite one. Fix: check the plugins' settings")
+                who = "a client" if self.private else f"client {ctx.client}"  # in a DP run: what, not who
+                raise NonFiniteUpdateError(f"round {ctx.round_idx + 1}: the plugins turned {who}'s zero update into a "
+                                           "non-finite one. Fix: check the plugins' settings")
             flag = "nonfinite" if "nonfinite" in ctx.payload else "skipped"
             if flag in ctx.payload:
                 ctx.payload[flag].fill_(1.0)

@@ -111,7 +111,7 @@ def test_non_finite_update_never_reaches_the_model(log_dir):
     model = TinyClassifier()
     start = [p.detach().clone() for p in model.parameters()]
     trainer = quiet_trainer(log_dir, rounds=3, plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)])
-    with pytest.raises(NonFiniteUpdateError, match=re.escape(f"client(s) {bad}")):
+    with pytest.raises(NonFiniteUpdateError, match=re.escape("round 1: 1 client produced")):  # a DP run: not who
         trainer.fit(model, data)
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
 

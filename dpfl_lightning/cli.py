@@ -3,6 +3,7 @@
 Configuration follows LightningCLI's YAML layout, parsed with jsonargparse (LightningCLI itself
 only accepts ``lightning.Trainer``)::
 
+    seed_everything: 0  # the model's initialisation (default: trainer.seed)
     trainer:            # FederatedTrainer arguments; plugins / algorithm / loggers as class_path + init_args
       rounds: 50
       plugins:
@@ -11,13 +12,17 @@ only accepts ``lightning.Trainer``)::
     model:              # any LightningModule
       class_path: dpfl_lightning.models.MLPClassifier
       init_args: {in_features: 64}
-    data:               # a FederatedDataModule (built-in source or from_datamodule-style)
+    data:               # a FederatedDataModule, or any LightningDataModule (split as `split:` says)
       class_path: dpfl_lightning.data.Digits
       init_args: {num_clients: 100}
 
-``--print_config`` prints the resolved configuration; dotted overrides such as
-``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply after the file. Bad input ends
-with one line naming the setting and the fix, and exit status 2.
+``-c`` / ``--config`` reads a file, ``--print_config`` prints the resolved configuration, dotted
+overrides such as ``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply after the file.
+Every fit saves ``config.yaml`` next to its ``metrics.csv``: ``dpfl fit --config`` that file reruns
+the run exactly. ``dpfl validate | test | predict --ckpt_path RUN`` evaluates a trained run (a run
+directory, or a checkpoint with ``--config``) under ``lightning.Trainer``, see
+:mod:`dpfl_lightning.evaluation`. Bad input ends with one line naming the setting, what is wrong
+and the fix (the closest valid option or class), and exit status 2 (:mod:`dpfl_lightning.cli_errors`).
 
 Other subcommands: ``dpfl privacy ...`` (accounting without training), ``dpfl sweep SWEEP.yaml``
 (every configuration of a W&B-format sweep file as its own run, see :mod:`dpfl_lightning.sweep`)
@@ -27,16 +32,20 @@ and ``dpfl report RUNS_DIR`` (plots and tables from the runs' CSV logs, see
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import os
 import re
 import sys
 import traceback
 from typing import Any
 
+import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
+from dpfl_lightning import cli_errors
 from dpfl_lightning.comm import launched_with_mpi
-from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError
+from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
 
 EXIT_CONFIG = 2
 EXIT_FAILURE = 1
@@ -112,24 +121,39 @@ class HelpFormatter(DefaultHelpFormatter):
 class DpflArgumentParser(ArgumentParser):
     """An ArgumentParser whose help is plain text and whose class options all have a description
     (also in the ``--data.help CLASS`` / ``--model.help CLASS`` pages, which jsonargparse builds
-    with the parser's own type)."""
+    with the parser's own type). Errors are raised (``exit_on_error=False``), not printed with the
+    usage: :func:`main` turns them into one line (:mod:`dpfl_lightning.cli_errors`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("exit_on_error", False)
         super().__init__(*args, **kwargs)
+
+    def _document(self, cls: type, nested_key: str | None) -> None:
+        docs = _doc_args(cls)
+        prefix = f"{nested_key}." if nested_key else ""
+        for action in self._actions:
+            dest = getattr(action, "dest", "") or ""
+            if dest.startswith(prefix) and not action.help:
+                name = dest[len(prefix):].split(".")[-1]
+                if name in docs:
+                    action.help = docs[name]
 
     def add_class_arguments(self, class_type: type, nested_key: str | None = None, *args: Any, **kwargs: Any):
         added = super().add_class_arguments(class_type, nested_key, *args, **kwargs)
         if inspect.isclass(class_type):
-            docs = _doc_args(class_type)
-            prefix = f"{nested_key}." if nested_key else ""
-            for action in self._actions:
-                dest = getattr(action, "dest", "") or ""
-                if dest.startswith(prefix) and not action.help:
-                    name = dest[len(prefix):].split(".")[-1]
-                    if name in docs:
-                        action.help = docs[name]
+            self._document(class_type, nested_key)
         return added
+
+    def add_method_arguments(self, theclass: type, themethod: str, nested_key: str | None = None, *args: Any,
+                             **kwargs: Any):
+        added = super().add_method_arguments(theclass, themethod, nested_key, *args, **kwargs)
+        self._document(theclass, nested_key)
+        return added
+
+    def option_keys(self) -> list[str]:
+        """The dotted keys this parser accepts (``trainer.rounds``, ``model``, ...)."""
+        return [a.dest for a in self._actions if getattr(a, "dest", None) and a.dest not in ("help", "==SUPPRESS==")]
 
 
 # ---------------------------------------------------------------------------------------- fit
@@ -158,19 +182,55 @@ def bundled_models() -> list[str]:
             and obj.__module__ == models.__name__]
 
 
-def fit_parser() -> ArgumentParser:
+_STAGE_HELP = {
+    "fit": "Train a LightningModule with federated (DP) training.",
+    "validate": "Run the module's validation_step on the validation set (else the test set) with the global model "
+                "of a trained run, under lightning.Trainer.",
+    "test": "Run the module's test_step on the test set with the global model of a trained run, under "
+            "lightning.Trainer.",
+    "predict": "Run the module's predict_step on the test set (or a DataModule's predict_dataloader) with the global "
+               "model of a trained run, under lightning.Trainer; the predictions are saved with torch.save.",
+}
+_CKPT_HELP = {
+    "fit": "continue from this checkpoint (a round-*.ckpt or last.ckpt of the run)",
+    "validate": "the trained run: a checkpoint (final.ckpt, last.ckpt) or a run directory (runs/quickstart or "
+                "runs/quickstart/version_0, whose config.yaml is then the configuration unless -c is given); "
+                "default: the checkpoint the configuration's run left",
+}
+
+
+def fit_parser(stage: str = "fit") -> ArgumentParser:
+    """The parser of ``dpfl fit`` (and, with ``stage``, of ``validate`` / ``test`` / ``predict``,
+    which take the same configuration)."""
+    import lightning
+
     from dpfl_lightning.data.module import FederatedDataModule
     from dpfl_lightning.trainer import FederatedTrainer
 
-    p = DpflArgumentParser(description="Train a LightningModule with federated (DP) training.")
-    p.add_argument("--config", action=ActionConfigFile, help="YAML file with trainer/model/data sections")
+    p = DpflArgumentParser(description=_STAGE_HELP[stage])
+    p.add_argument("-c", "--config", action=ActionConfigFile, help="YAML file with trainer/model/data sections")
+    p.add_argument("--seed_everything", type=int | bool | None, default=None,
+                   help="seed of the model's initialisation (lightning.seed_everything): an integer, true (a "
+                        "random seed, saved in the run's config.yaml), false (none); default: trainer.seed")
     p.add_class_arguments(FederatedTrainer, "trainer", fail_untyped=False)
+    p.set_defaults({"trainer.final_checkpoint": True})  # dpfl test / validate / predict read it
     models = bundled_models()
     p.add_subclass_arguments(_model_bases(), "model", required=True,
                              help="The model: any LightningModule subclass, by class path or, for the bundled "
                                   f"ones, by name ({', '.join(models)}), with its init_args.")
-    p.add_subclass_arguments(FederatedDataModule, "data", required=True)
-    p.add_argument("--resume", type=str | None, default=None, help="continue from this checkpoint")
+    p.add_subclass_arguments((FederatedDataModule, lightning.LightningDataModule), "data", required=True)
+    p.add_method_arguments(FederatedDataModule, "__init__", "split", skip={"datamodule"})
+    p.add_argument("--ckpt_path", type=str | None, default=None, help=_CKPT_HELP.get(stage, _CKPT_HELP["validate"]))
+    if stage == "fit":
+        p.add_argument("--resume", type=str | None, default=None, help="the same as --ckpt_path")
+    if stage == "predict":
+        p.add_argument("--out", type=str | None, default=None,
+                       help="where to save the predictions (default: predictions.pt beside the checkpoint)")
+    _titles(p, models)
+    return p
+
+
+def _titles(p: ArgumentParser, models: list[str]) -> None:
     groups = getattr(p, "groups", {}) or {}
     if "trainer" in groups:
         groups["trainer"].title = "trainer (FederatedTrainer, the round loop)"
@@ -179,14 +239,19 @@ def fit_parser() -> ArgumentParser:
         groups["model"].description = (f"Bundled in dpfl_lightning.models: {', '.join(models)}. "
                                        "Use --model.help CLASS for a model's options.")
     if "data" in groups:
-        groups["data"].title = "data (a FederatedDataModule)"
-        groups["data"].description = ("A training set split over clients, plus a global test set. "
-                                      "Use --data.help CLASS for a source's options.")
-    return p
+        groups["data"].title = "data (a FederatedDataModule or a LightningDataModule)"
+        groups["data"].description = ("A training set split over clients, plus a global test set: a bundled source "
+                                      "(Digits, ...), or any LightningDataModule, whose training set is split over "
+                                      "clients as split: says. Use --data.help CLASS for a source's options.")
+    if "split" in groups:
+        groups["split"].title = "split (how a LightningDataModule under data: is split over clients)"
+        groups["split"].description = ("FederatedDataModule.from_datamodule's options; a bundled source (a "
+                                       "FederatedDataModule) takes them in its own init_args instead.")
 
 
-def add_privacy_subcommands(p: ArgumentParser) -> None:
-    """``privacy epsilon | calibrate | plan`` (jsonargparse wants the parent added first)."""
+def add_privacy_subcommands(p: ArgumentParser) -> dict[str, ArgumentParser]:
+    """``privacy epsilon | calibrate | plan | theory`` (jsonargparse wants the parent added first);
+    returns their parsers by name."""
     sub = p.add_subcommands(dest="privacy_command")
     eps = fit_parser()
     eps.add_argument("--accountant", type=str | None, default=None, help="rdp, pld or prv (default: the ledger's)")
@@ -227,6 +292,7 @@ def add_privacy_subcommands(p: ArgumentParser) -> None:
     theory.add_argument("--psi0", type=float, required=True, help="the initial Lyapunov value psi_0")
     theory.add_argument("--v", type=float, default=1.0, help="Lemma 1's constant (the paper leaves it open)")
     sub.add_subcommand("theory", theory, help="DP-ScaffNew's optimal eta, p and T (paper 000 Corollary 1)")
+    return {"epsilon": eps, "calibrate": cal, "plan": plan, "theory": theory}
 
 
 def _sampling_arguments(p: ArgumentParser) -> None:
@@ -263,24 +329,55 @@ def report_parser() -> ArgumentParser:
     p.add_argument("--metric", type=str | None, default=None,
                    help="metric(s) to report, comma-separated (default: the first of test_acc, val_acc, "
                         "test_loss, val_loss, ... that was logged; else all)")
+    p.add_argument("--epsilon", type=str | None, default=None,
+                   help="the guarantee(s) to plot against, comma-separated epsilon columns (epsilon, "
+                        "epsilon_client_distributed_models, ...; default: every one the runs logged)")
     p.add_argument("--out", type=str | None, default=None, help="output directory (default: RUNS_DIR/report)")
     return p
 
 
 def build_parser() -> ArgumentParser:
+    """The ``dpfl`` parser; ``parser.dpfl_subcommands`` maps each subcommand (``fit``,
+    ``privacy calibrate``, ...) to its parser."""
     parser = DpflArgumentParser(prog="dpfl",
                                 description="Differentially private federated learning on Lightning modules.")
     sub = parser.add_subcommands(dest="command")
-    sub.add_subcommand("fit", fit_parser(), help="train")
-    privacy = DpflArgumentParser(description="Privacy accounting without training.")
-    sub.add_subcommand("privacy", privacy, help="epsilon, calibration and round planning")
-    add_privacy_subcommands(privacy)
-    sub.add_subcommand("sweep", sweep_parser(), help="run the configurations of a W&B-format sweep file")
-    sub.add_subcommand("report", report_parser(), help="plots and tables from the CSV logs of runs")
+    commands: dict[str, ArgumentParser] = {}
+
+    def add(name: str, p: ArgumentParser, text: str) -> ArgumentParser:
+        sub.add_subcommand(name, p, help=text)
+        commands[name] = p
+        return p
+
+    add("fit", fit_parser(), "train")
+    add("validate", fit_parser("validate"), "validate a trained run's global model (lightning.Trainer.validate)")
+    add("test", fit_parser("test"), "test a trained run's global model (lightning.Trainer.test)")
+    add("predict", fit_parser("predict"), "predict with a trained run's global model (lightning.Trainer.predict)")
+    privacy = add("privacy", DpflArgumentParser(description="Privacy accounting without training."),
+                  "epsilon, calibration and round planning")
+    commands.update({f"privacy {k}": v for k, v in add_privacy_subcommands(privacy).items()})
+    add("sweep", sweep_parser(), "run the configurations of a W&B-format sweep file")
+    add("report", report_parser(), "plots and tables from the CSV logs of runs")
     from dpfl_lightning.audit_cli import audit_parser  # (audit_cli imports this module)
 
     sub.add_subcommand("audit", audit_parser(), help="empirical privacy audit of a fit config with canary clients")
+    parser.dpfl_subcommands = commands
     return parser
+
+
+def parse_error_line(parser: ArgumentParser, argv: list[str], message: str) -> str:
+    """The one line for a parse error (see :mod:`dpfl_lightning.cli_errors`)."""
+    commands = getattr(parser, "dpfl_subcommands", {})
+    words = [a for a in argv if not a.startswith("-")]
+    command = next((f"{w} {n}" for w, n in zip(words, words[1:]) if f"{w} {n}" in commands), None) or \
+        next((w for w in words if w in commands), "")
+    sub = commands.get(command)
+    options = sub.option_keys() if isinstance(sub, DpflArgumentParser) else []
+    configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    configs += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    line = cli_errors.one_line(message, command, options, [c for c in commands if " " not in c],
+                               [c for c in configs if os.path.isfile(c)], argv)
+    return f"{command}: {line}" if command else line
 
 
 def expect_model_labels(model: Any, data: Any) -> None:
@@ -292,21 +389,120 @@ def expect_model_labels(model: Any, data: Any) -> None:
         data.expect_labels(n, "model.init_args.num_classes")
 
 
-def run_fit(parser: ArgumentParser, cfg: Any) -> Any:
+def _split_defaults() -> dict[str, Any]:
+    from dpfl_lightning.data.module import FederatedDataModule
+
+    params = inspect.signature(FederatedDataModule.__init__).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def federated_data(data: Any, split: Any) -> Any:
+    """``data`` as a :class:`FederatedDataModule`: a plain LightningDataModule is split over clients
+    as ``split`` says (``FederatedDataModule.from_datamodule``); a FederatedDataModule is kept, and
+    ``split`` options set for it are refused (it takes them in its own init_args)."""
+    from dpfl_lightning.data.module import FederatedDataModule
+
+    split = split.as_dict() if hasattr(split, "as_dict") else dict(split or {})
+    if isinstance(data, FederatedDataModule):
+        defaults = _split_defaults()
+        changed = sorted(k for k, v in split.items() if k in defaults and v != defaults[k])
+        require(not changed, f"split.{changed[0] if changed else ''}", split.get(changed[0]) if changed else None,
+                f"split: applies to a plain LightningDataModule under data:, and {type(data).__name__} is split "
+                "by its own init_args", f"set data.init_args.{changed[0] if changed else ''} instead")
+        return data
+    return FederatedDataModule.from_datamodule(data, **split)
+
+
+def seed_model(section: Any) -> int | bool:
+    """Seed the model's initialisation as ``seed_everything`` says (default ``trainer.seed``);
+    returns the seed used (``False``: none)."""
     import lightning
 
-    # The model is built from the config: seed its initialisation with the run's seed, so the same
-    # config gives the same run (ranks then take rank 0's parameters).
-    lightning.seed_everything(cfg.fit.trainer.seed, verbose=False)
-    init = parser.instantiate_classes(cfg)
-    fit = init.fit
+    seed = section.seed_everything
+    if seed is None:
+        seed = section.trainer.seed
+    if seed is False:
+        return False
+    return lightning.seed_everything(None if seed is True else int(seed), verbose=False)
+
+
+def run_config_text(fit: ArgumentParser, section: Any, seed: int | bool) -> str:
+    """The run's configuration as YAML that ``dpfl fit --config`` accepts: what was parsed, with
+    ``seed_everything`` resolved, without the config files and checkpoint it was given."""
+    ns = section.clone()
+    for key in ("config", "ckpt_path", "resume", "__path__"):
+        if key in ns:
+            del ns[key]
+    ns.seed_everything = seed
+    return fit.dump(ns, skip_none=False, skip_check=True)
+
+
+def _save_run_config(trainer: Any, text: str) -> None:
+    """``config.yaml`` in the run's directory (rank 0; the directory exists once the loggers do)."""
+    run_dir = getattr(trainer, "csv_log_dir", None)
+    if not run_dir or not os.path.isdir(run_dir):
+        return
+    from dpfl_lightning.evaluation import CONFIG_FILE
+
+    path = os.path.join(run_dir, CONFIG_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _sweep_logger(trainer: Any) -> None:
+    """Under ``wandb agent`` (``WANDB_SWEEP_ID`` set) a run logs to W&B, or the sweep never sees its
+    metric: add a :class:`~dpfl_lightning.loggers.WandbLogger` when the configuration has none."""
+    if not os.environ.get("WANDB_SWEEP_ID"):
+        return
+    from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+
+    if any(isinstance(lg, LightningWandbLogger) for lg in trainer.extra_loggers):
+        return
+    from dpfl_lightning.loggers import WandbLogger
+
+    trainer.extra_loggers.append(WandbLogger(mode="auto"))
+    if _world()[0] == 0:
+        print(f"dpfl: note: run of W&B sweep {os.environ['WANDB_SWEEP_ID']}: logging to W&B (trainer.loggers "
+              "had no WandbLogger)", file=sys.stderr, flush=True)
+
+
+def run_fit(parser: ArgumentParser, cfg: Any) -> Any:
+    section = cfg.fit
+    require(not (section.ckpt_path and section.resume), "--ckpt_path", section.ckpt_path,
+            "given together with --resume (the same setting)", "give one of them")
+    # The model is built from the config: seed its initialisation (seed_everything, default the run's
+    # seed), so the same config gives the same run (ranks then take rank 0's parameters).
+    seed = seed_model(section)
+    fit = parser.instantiate_classes(cfg).fit
     trainer = fit.trainer
-    trainer.config = cfg.fit.clone().as_dict()
-    trainer.config.pop("config", None)
-    trainer.config.pop("resume", None)
-    expect_model_labels(fit.model, fit.data)
-    trainer.fit(fit.model, fit.data, ckpt_path=cfg.fit.resume)
+    data = federated_data(fit.data, section.split)
+    text = run_config_text(parser.dpfl_subcommands["fit"], section, seed)
+    trainer.config = yaml.safe_load(text)
+    _sweep_logger(trainer)
+    expect_model_labels(fit.model, data)
+    try:
+        trainer.fit(fit.model, data, ckpt_path=section.ckpt_path or section.resume)
+    finally:
+        _save_run_config(trainer, text)
     return trainer
+
+
+def run_stage(parser: ArgumentParser, cfg: Any, stage: str) -> Any:
+    """``dpfl validate | test | predict``: the trained run's global model under lightning.Trainer."""
+    from dpfl_lightning import evaluation
+
+    section = getattr(cfg, stage)
+    seed_model(section)
+    init = getattr(parser.instantiate_classes(cfg), stage)
+    data = federated_data(init.data, section.split)
+    ckpt = section.ckpt_path or evaluation.default_checkpoint(init.trainer)
+    result = evaluation.evaluate(stage, init.model, data, ckpt, init.trainer.accelerator)
+    if stage == "predict":
+        path = evaluation.save_predictions(result, ckpt, section.out)
+        print(f"wrote the predictions of {len(result or [])} batches to {path}")
+    return result
 
 
 def _world() -> tuple[int, int, Any]:
@@ -338,12 +534,36 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def parse(parser: ArgumentParser, argv: list[str] | None = None) -> Any:
+    """Parse ``argv`` (default: the command line); a bad command line ends with one line and exit 2."""
+    from dpfl_lightning import evaluation
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return parser.parse_args(evaluation.rewrite_arguments(argv))
+    except argparse.ArgumentError as exc:
+        _fail(parse_error_line(parser, argv, exc.message), EXIT_CONFIG)
+    except ConfigError as exc:
+        _fail(str(exc), EXIT_CONFIG)
+
+
+def _search_working_directory() -> None:
+    """Classes in the working directory (``mydata.MyDataModule``) import as under ``python -m``;
+    appended, so they never shadow an installed package."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.append(here)
+
+
 def main(argv: list[str] | None = None) -> None:
+    _search_working_directory()
     parser = build_parser()
-    cfg = parser.parse_args(argv)  # jsonargparse prints its own usage error and exits 2
+    cfg = parse(parser, argv)
     try:
         if cfg.command == "fit":
             run_fit(parser, cfg)
+        elif cfg.command in ("validate", "test", "predict"):
+            run_stage(parser, cfg, cfg.command)
         elif cfg.command == "privacy":
             from dpfl_lightning import privacy_cli
 

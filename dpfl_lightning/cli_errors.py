@@ -1,0 +1,278 @@
+"""Command-line parse errors as one line: the key, what is wrong, and the closest valid key or class.
+
+jsonargparse reports a bad option with its usage text and a nested account of every type it tried
+(20-50 lines). :func:`one_line` reads that account and keeps what a user needs: which setting
+(``trainer.roundz``, ``model.init_args.lrr``, ``--config``), what is wrong with it (no such option,
+wrong type, unknown class, missing file, YAML syntax) and a fix, with the closest valid name found
+by :mod:`difflib` ("did you mean trainer.rounds?"). Settings a ``lightning.Trainer`` user would try
+(``max_epochs``, ``devices``, ``strategy``, ...) get what they are called here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+#: lightning.Trainer options a user may try, and what the federated trainer calls them
+LIGHTNING_TRAINER_OPTIONS = {
+    "max_epochs": "a federated run is counted in rounds: set trainer.rounds (and trainer.local_epochs or "
+                  "trainer.local_steps for each client's work in a round)",
+    "min_epochs": "a federated run is counted in rounds: set trainer.rounds",
+    "max_steps": "set trainer.rounds and trainer.local_steps (a client's optimizer steps in a round)",
+    "min_steps": "set trainer.rounds and trainer.local_steps",
+    "devices": "ranks are processes: launch mpiexec -n N python -m mpi4py -m dpfl_lightning fit ... "
+               "(launchers/mpirun.sh); each rank uses one device, chosen by trainer.accelerator",
+    "num_nodes": "ranks are processes: launch mpiexec -n N python -m mpi4py -m dpfl_lightning fit ... on the "
+                 "nodes (launchers/slurm.sbatch)",
+    "strategy": "ranks are MPI processes (mpiexec -n N); trainer.communicator picks mpi, nccl or gloo",
+    "logger": "set trainer.loggers (a list, e.g. dpfl_lightning.loggers.WandbLogger); the CSV log is always written",
+    "default_root_dir": "set trainer.log_dir",
+    "check_val_every_n_epoch": "set trainer.eval_every (in rounds)",
+    "val_check_interval": "set trainer.eval_every (in rounds)",
+    "enable_checkpointing": "set trainer.checkpoint_every (in rounds) or trainer.final_checkpoint",
+    "limit_train_batches": "set trainer.local_steps",
+    "log_every_n_steps": "every round is logged",
+    "fast_dev_run": "set trainer.rounds 1",
+}
+
+#: the base classes a setting takes, for "did you mean" among the classes known to this process
+_BASES = {
+    "model": ("lightning.pytorch.LightningModule",),
+    "data": ("dpfl_lightning.data.module.FederatedDataModule", "lightning.pytorch.LightningDataModule"),
+    "trainer.algorithm": ("dpfl_lightning.algorithms.Algorithm",),
+    "trainer.plugins": ("dpfl_lightning.plugins.base.FederatedCallback",),
+    "trainer.loggers": ("lightning.pytorch.loggers.Logger",),
+    "trainer.callbacks": ("lightning.pytorch.callbacks.Callback",),
+}
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _subclasses(base: type) -> Iterable[type]:
+    seen, todo = set(), [base]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+                yield sub
+
+
+def known_classes(key: str) -> dict[str, str]:
+    """``{class name: import path}`` of the classes this process knows that ``key`` accepts."""
+    base_key = re.sub(r"\.init_args$|\[\d+\]$", "", key)
+    out: dict[str, str] = {}
+    for path in _BASES.get(base_key, ()):
+        base = _import(path)
+        if base is None:
+            continue
+        for cls in [base, *_subclasses(base)]:
+            name = cls.__name__
+            if not name.startswith("_") and "<locals>" not in cls.__qualname__ and not cls.__module__.startswith("test"):
+                out.setdefault(name, f"{cls.__module__}.{name}")
+    return out
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate most like ``name`` (difflib's ratio, at least 0.6; case is ignored)."""
+    pool = {c.lower(): c for c in candidates}
+    found = difflib.get_close_matches(name.lower(), list(pool), n=1, cutoff=0.6)
+    return pool[found[0]] if found else None
+
+
+def init_arguments(cls: Any) -> list[str]:
+    """The keyword arguments ``cls(...)`` accepts (following ``**kwargs`` into the bases)."""
+    names: list[str] = []
+    for klass in inspect.getmro(cls) if inspect.isclass(cls) else [cls]:
+        try:
+            params = inspect.signature(klass.__init__).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                  and p.name not in names]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def _did_you_mean(candidate: str | None, prefix: str = "") -> str:
+    return f"did you mean {prefix}{candidate}?" if candidate else ""
+
+
+def _join(*parts: str) -> str:
+    return ". ".join(p[0].upper() + p[1:] if i else p for i, p in enumerate(q for q in parts if q))
+
+
+# ---------------------------------------------------------------------------------------- cases
+def _a(word: str) -> str:
+    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
+
+
+def unknown_option(key: str, options: Iterable[str], command: str, value: str | None = None,
+                   source: str = "") -> str:
+    """``key`` is not an option of ``command`` (``options``: the valid dotted keys; ``source``:
+    where it was given, e.g. ``in a --config file``)."""
+    options = [o for o in options if o]
+    section, _, leaf = key.rpartition(".")
+    shown = (f"{key}={value}" if value is not None else key) + (f" ({source})" if source else "")
+    if section == "trainer" and leaf in LIGHTNING_TRAINER_OPTIONS:
+        return f"{shown}: FederatedTrainer has no {leaf} (a lightning.Trainer option). Fix: " \
+               f"{LIGHTNING_TRAINER_OPTIONS[leaf]}"
+    same = [o.rpartition(".")[2] for o in options if o.rpartition(".")[0] == section]
+    near = closest(leaf, same)
+    guess = f"{section}.{near}" if near and section else near or closest(key, options)
+    where = f"{_a(section)} option" if section else f"an option of dpfl {command}"
+    fix = _did_you_mean(guess) or f"see dpfl {command} --help"
+    return f"{shown}: not {where}. Fix: {fix}"
+
+
+def _module_of(name: str) -> Any:
+    try:
+        return importlib.import_module(name.rsplit(".", 1)[0])
+    except Exception:  # noqa: BLE001 - not importable, for whatever reason
+        return None
+
+
+def _class_not_found(key: str, name: str, detail: str = "") -> str:
+    """``name`` (a short name or a class path) is not a class ``key`` accepts."""
+    if "." in name:
+        module = _module_of(name)
+        if module is None:
+            top = name.split(".")[0]
+            return (f"{key}={name}: cannot import it ({detail or 'module not found'}). Fix: check the class path; "
+                    f"for your own module, run dpfl in the directory that holds {top} (or {top}.py), or add that "
+                    "directory to PYTHONPATH (PYTHONPATH=path/to/dir dpfl ...)")
+        here = [n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_")]
+        guess = closest(name.rsplit(".", 1)[1], here)
+        fix = _did_you_mean(f"{module.__name__}.{guess}") if guess else f"{module.__name__} defines no such class"
+        return f"{key}={name}: no such class. Fix: {fix}"
+    known = known_classes(key)
+    guess = closest(name, known)
+    fix = _did_you_mean(guess) or f"give a class path (package.module.Class) or one of {', '.join(sorted(known)[:12])}"
+    return f"{key}={name}: no such class. Fix: {fix}"
+
+
+def _type_error(key: str, text: str) -> str | None:
+    m = re.search(r"Expected a <class '(\w+)'>\. Got value: (.*)", text)
+    if m:
+        return f"{key}={m.group(2).strip()}: not {_a(m.group(1))}. Fix: give {_a(m.group(1))}"
+    m = re.search(r"Expected a ([^\n.]+?)\.? Got value: (.*)", text)
+    if m:
+        return f"{key}={m.group(2).strip()}: expected {m.group(1).strip()}. Fix: give such a value"
+    return None
+
+
+def _class_problem(key: str, class_path: str, text: str) -> str:
+    """A problem with a given ``class_path`` under ``key`` (its init_args or its import)."""
+    m = re.search(r"Option '([^']+)' is not accepted", text)
+    if m:
+        cls = _import(class_path)
+        args = init_arguments(cls) if cls is not None else []
+        name = class_path.rsplit(".", 1)[-1]
+        fix = _did_you_mean(closest(m.group(1), args), f"{key}.init_args.") or \
+            f"{name} takes {', '.join(args) or 'no arguments'}"
+        return f"{key}.init_args.{m.group(1)}: {name} has no argument {m.group(1)}. Fix: {fix}"
+    m = re.search(r'Parser key "([^"]+)":\s*(.*)', text, re.S)
+    if m:
+        return explain_key(f"{key}.init_args.{m.group(1)}", m.group(2))
+    m = re.search(r"No module named '([^']+)'", text) or re.search(r"has no attribute '([^']+)'", text)
+    if m:
+        return _class_not_found(key, class_path, m.group(0))
+    m = re.search(r"does not correspond to a subclass of (\w+)", text)
+    if m:
+        return f"{key}={class_path}: not a {m.group(1)}. Fix: give a subclass of {m.group(1)}"
+    first = next((ln.strip(" -") for ln in text.splitlines() if ln.strip(" -")), "invalid")
+    return f"{key}={class_path}: {first}. Fix: see --{key}.help {class_path.rsplit('.', 1)[-1]}"
+
+
+def explain_key(key: str, text: str) -> str:
+    """The line for jsonargparse's ``Parser key "KEY": TEXT``."""
+    m = re.search(r"File does not exist: '([^']+)'", text)
+    if m:
+        return f"--{key} {m.group(1)}: no such file. Fix: give the path of an existing YAML file"
+    m = re.search(r"Problem with given class_path '([^']+)':\s*(.*?)(?:\n\s*- |\n\s*Given value|\Z)", text, re.S)
+    if m:
+        return _class_problem(key, m.group(1), m.group(2))
+    m = re.search(r"Expected a dot import path string: (\S+)", text) or \
+        re.search(r"Expected a path but (\S+) either not accessible", text)
+    if m:
+        return _class_not_found(key, m.group(1))
+    typed = _type_error(key, text)
+    if typed:
+        return typed
+    first = next((ln.strip(" -") for ln in text.splitlines() if ln.strip(" -")), "invalid value")
+    return f"{key}: {first}"
+
+
+def _yaml_problem(config_files: list[str]) -> str | None:
+    for path in config_files:
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except OSError:
+            continue
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            return f"--config {path}: not valid YAML{where}: {problem}. Fix: correct the YAML there"
+    return None
+
+
+def one_line(message: str, command: str, options: Iterable[str], commands: Iterable[str] = (),
+             config_files: Iterable[str] = (), argv: Iterable[str] = ()) -> str:
+    """One line for a jsonargparse error ``message`` met while parsing ``dpfl COMMAND``.
+
+    Args:
+        message: the error's text.
+        command: the subcommand (``fit``, ``privacy calibrate``), or ``""`` when none was chosen.
+        options: the dotted keys the subcommand accepts (its parser's destinations).
+        commands: the valid subcommands (for a misspelled one).
+        config_files: the ``--config`` files given (to locate a YAML syntax error).
+        argv: the command line (to show the value of an unrecognised option).
+    """
+    message = message.strip()
+    argv = list(argv)
+    m = re.search(r"invalid choice: '([^']*)'", message)
+    if m:
+        guess = closest(m.group(1), commands)
+        return f"{m.group(1)}: no such command. Fix: {_did_you_mean(guess) or 'use one of ' + ', '.join(commands)}"
+    m = re.match(r"unrecognized arguments: (.*)", message, re.S)
+    if m:
+        token = next((t for t in m.group(1).split() if t.startswith("-")), m.group(1).split()[0])
+        key, _, value = token.lstrip("-").partition("=")
+        if not value and token in argv and argv.index(token) + 1 < len(argv):
+            value = argv[argv.index(token) + 1]
+        return unknown_option(key, options, command, value or None)
+    m = re.search(r"does not accept option '([^']+)'", message)
+    if m:
+        return unknown_option(m.group(1), options, command, source="in a --config file")
+    if message.startswith("Problems parsing config"):
+        found = _yaml_problem(list(config_files))
+        if found:
+            return found
+        return "--config: " + " ".join(message.split())[:200] + ". Fix: correct the YAML"
+    m = re.search(r"the following arguments are required: (.*)", message) or \
+        re.search(r'Key "([^"]+)" is required', message)
+    if m:
+        keys = [k.strip().split(".", 1)[-1] for k in m.group(1).split(",")]
+        return f"{', '.join(keys)}: required but not given. Fix: pass --config FILE with {' and '.join(k + ':' for k in keys)} " \
+               f"sections (e.g. configs/quickstart.yaml), or --{keys[0]} ..."
+    m = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
+    if m:
+        return explain_key(m.group(1), m.group(2))
+    first = next((ln.strip() for ln in message.splitlines() if ln.strip()), message)
+    return f"{first}. Fix: see dpfl {command} --help".replace("  ", " ")

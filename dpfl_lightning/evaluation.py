@@ -1,0 +1,249 @@
+"""A trained run's global model under ``lightning.Trainer``: ``dpfl validate | test | predict``.
+
+:class:`EvaluationData` gives the global evaluation sets of a :class:`FederatedDataModule` (every
+bundled data source, or one built from a LightningDataModule) as a ``LightningDataModule``, so
+``lightning.Trainer().test(model, datamodule=EvaluationData(Digits()))`` runs the module's own
+``test_step`` on them, with Lightning's loop, logging and result table.
+
+A run directory (``runs/quickstart`` or ``runs/quickstart/version_0``) names both what to build
+(the ``config.yaml`` every ``dpfl fit`` saves next to its ``metrics.csv``) and the weights (the
+run's ``checkpoints/final.ckpt``, else ``last.ckpt``): :func:`resolve_run` finds them.
+:func:`load_weights` loads a checkpoint's ``state_dict`` (a ``final.ckpt``, or the run's own
+checkpoints) into the model, as ``MyModule.load_from_checkpoint`` would.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning
+import torch
+
+from dpfl_lightning.errors import ConfigError, require
+
+CONFIG_FILE = "config.yaml"
+STAGES = ("validate", "test", "predict")
+
+
+class _Batches:
+    """A re-iterable view of a generator function (every ``iter`` starts a new pass)."""
+
+    def __init__(self, make: Callable[[], Iterator[Any]]) -> None:
+        self._make = make
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._make())
+
+
+def _inputs(batch: Any) -> Any:
+    """What Lightning's default ``predict_step`` (``self(batch)``) can take: the inputs of an
+    ``(inputs, labels)`` batch; other batches as they are."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    return batch
+
+
+class EvaluationData(lightning.LightningDataModule):
+    """The evaluation sets of a :class:`~dpfl_lightning.data.FederatedDataModule` as a LightningDataModule.
+
+    Args:
+        data: the federated data module (its global sets, not the clients').
+        predict_inputs_only: ``predict_dataloader`` yields the inputs of ``(inputs, labels)``
+            batches (for modules that keep Lightning's default ``predict_step``, ``self(batch)``).
+
+    ``val_dataloader``: the set every round validated on (a DataModule's validation set, else the
+    test set); ``test_dataloader``: the test set (else the validation set); ``predict_dataloader``:
+    a wrapped DataModule's own ``predict_dataloader`` if it has one, else the test set.
+    """
+
+    def __init__(self, data: Any, predict_inputs_only: bool = False) -> None:
+        super().__init__()
+        self.data = data
+        self.predict_inputs_only = predict_inputs_only
+
+    def prepare_data(self) -> None:
+        self.data.prepare_data()
+
+    def setup(self, stage: str) -> None:
+        self.data.setup()
+
+    def val_dataloader(self) -> Any:
+        require(self.data.has_val_set, "data", type(self.data).__name__, "has no validation or test set",
+                "use a data source with a test set")
+        return _Batches(self.data.val_batches)
+
+    def test_dataloader(self) -> Any:
+        require(self.data.has_test_set, "data", type(self.data).__name__, "has no test set",
+                "use dpfl validate (the set every round is validated on), or a data source with a test set")
+        return _Batches(self.data.test_batches)
+
+    def predict_dataloader(self) -> Any:
+        inner = getattr(self.data, "datamodule", None)
+        if inner is not None and type(inner).predict_dataloader is not lightning.LightningDataModule.predict_dataloader:
+            return inner.predict_dataloader()
+        batches = self.test_dataloader()
+        if not self.predict_inputs_only:
+            return batches
+        return _Batches(lambda: (_inputs(b) for b in batches))
+
+
+# ---------------------------------------------------------------------------------------- run files
+def _versions(directory: str) -> list[str]:
+    found = [d for d in os.listdir(directory) if re.fullmatch(r"version_\d+", d)
+             and os.path.isfile(os.path.join(directory, d, CONFIG_FILE))]
+    return [os.path.join(directory, d) for d in sorted(found, key=lambda d: int(d.split("_")[1]))]
+
+
+def run_directory(path: str) -> str | None:
+    """The run directory ``path`` names: itself when it holds ``config.yaml``, else its newest
+    ``version_N`` that does; for a checkpoint file, the newest run beside its ``checkpoints/``."""
+    if os.path.isfile(path):
+        path = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # <run>/checkpoints/x.ckpt -> <run>
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        return path
+    versions = _versions(path)
+    return versions[-1] if versions else None
+
+
+def run_checkpoint(run_dir: str, checkpoint_dir: str | None = None) -> str | None:
+    """``final.ckpt``, else ``last.ckpt``, of the run in ``run_dir`` (in ``checkpoint_dir`` when
+    the run set one, else in ``checkpoints/`` beside its ``version_N``)."""
+    parent = os.path.dirname(os.path.abspath(run_dir)) if re.fullmatch(r"version_\d+", os.path.basename(
+        os.path.abspath(run_dir))) else os.path.abspath(run_dir)
+    for directory in filter(None, (checkpoint_dir, os.path.join(parent, "checkpoints"))):
+        for name in ("final.ckpt", "last.ckpt"):
+            if os.path.isfile(os.path.join(directory, name)):
+                return os.path.join(directory, name)
+    return None
+
+
+def resolve_run(ckpt_path: str) -> tuple[str | None, str | None]:
+    """``(config file, checkpoint)`` for ``--ckpt_path``: a run directory or a checkpoint file."""
+    run_dir = run_directory(ckpt_path)
+    config = os.path.join(run_dir, CONFIG_FILE) if run_dir else None
+    if os.path.isfile(ckpt_path):
+        return config, ckpt_path
+    return config, run_checkpoint(run_dir) if run_dir else None
+
+
+def rewrite_arguments(argv: list[str]) -> list[str]:
+    """``dpfl validate|test|predict --ckpt_path RUN`` with a run directory (or a checkpoint of a
+    run) and no ``--config``: the run's ``config.yaml`` is added as ``--config`` and ``--ckpt_path``
+    points at its checkpoint. Other command lines are returned as they are."""
+    if not argv or argv[0] not in STAGES:
+        return argv
+    args = list(argv)
+    value_at = next((i + 1 for i, a in enumerate(args) if a == "--ckpt_path" and i + 1 < len(args)), None)
+    inline = next((i for i, a in enumerate(args) if a.startswith("--ckpt_path=")), None)
+    if value_at is None and inline is None:
+        return args
+    path = args[value_at] if value_at is not None else args[inline].split("=", 1)[1]
+    config, checkpoint = resolve_run(path)
+    if os.path.isdir(path):
+        if checkpoint is None:
+            raise ConfigError("--ckpt_path", path, "holds no run with a checkpoint (final.ckpt or last.ckpt beside "
+                              "a version_N with config.yaml)", "fit with trainer.final_checkpoint: true, or pass the "
+                              "checkpoint file and --config")
+        if value_at is not None:
+            args[value_at] = checkpoint
+        else:
+            args[inline] = f"--ckpt_path={checkpoint}"
+    has_config = any(a in ("-c", "--config") or a.startswith("--config=") for a in args)
+    if not has_config and config is not None:
+        args[1:1] = ["--config", config]
+    return args
+
+
+def default_checkpoint(trainer: Any) -> str:
+    """The checkpoint a fit with this configuration left: ``final.ckpt``, else ``last.ckpt``."""
+    for name in ("final.ckpt", "last.ckpt"):
+        path = os.path.join(trainer.checkpoint_dir, name)
+        if os.path.isfile(path):
+            return path
+    raise ConfigError("--ckpt_path", None, f"not given, and the configuration's run left no checkpoint in "
+                      f"{trainer.checkpoint_dir}", "pass --ckpt_path (a checkpoint file or a run directory such as "
+                      "runs/quickstart), or fit first")
+
+
+def load_weights(model: torch.nn.Module, path: str) -> dict[str, Any]:
+    """Load the ``state_dict`` of the checkpoint at ``path`` into ``model`` (after the module's
+    ``on_load_checkpoint``, as ``load_from_checkpoint`` does); returns the checkpoint."""
+    require(os.path.isfile(path), "--ckpt_path", path, "no such file", "give a checkpoint file or a run directory")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file
+        raise ConfigError("--ckpt_path", path, f"cannot be read as a checkpoint ({type(exc).__name__})",
+                          "give a checkpoint written by dpfl fit or lightning") from exc
+    require(isinstance(ckpt, dict) and "state_dict" in ckpt, "--ckpt_path", path,
+            "holds no model weights (state_dict)", "use the run's final.ckpt (trainer.final_checkpoint: true)")
+    hook = getattr(model, "on_load_checkpoint", None)
+    if callable(hook):
+        hook(ckpt)
+    missing, unexpected = model.load_state_dict(ckpt["state_dict"], strict=False)
+    if missing or unexpected:
+        raise ConfigError("--ckpt_path", path, f"does not fit {type(model).__name__} (missing: {missing[:5]}, "
+                          f"unexpected: {unexpected[:5]})", "use the configuration the checkpoint was trained with "
+                          "(--config <run directory>/config.yaml)")
+    return ckpt
+
+
+@contextmanager
+def _quiet_lightning():
+    """Lightning's start-up lines (GPU available, a tip) at warning level only, and without the
+    deprecation warning its pytree helper raises under this torch."""
+    names = [f"{pkg}.utilities.rank_zero" for pkg in ("lightning.pytorch", "pytorch_lightning")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def evaluate(stage: str, model: Any, data: Any, ckpt_path: str, accelerator: str = "auto") -> Any:
+    """Run ``lightning.Trainer.<stage>`` (validate, test or predict) on the global model of
+    ``ckpt_path``; returns Lightning's result (metrics, or the predictions)."""
+    from dpfl_lightning.module import is_overridden
+
+    require(stage in STAGES, "stage", stage, "unknown stage", f"use one of {', '.join(STAGES)}")
+    step = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}[stage]
+    if stage != "predict":
+        require(is_overridden(model, step), "model", type(model).__name__, f"defines no {step}",
+                f"define {step}" + (", or use dpfl validate" if stage == "test" else ""))
+    load_weights(model, ckpt_path)
+    accelerator = {"cuda": "gpu"}.get(accelerator, accelerator)
+    with _quiet_lightning():
+        trainer = lightning.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+                                    enable_model_summary=False, enable_progress_bar=False)
+        dm = EvaluationData(data, predict_inputs_only=not is_overridden(model, "predict_step"))
+        return getattr(trainer, stage)(model, datamodule=dm)
+
+
+def save_predictions(predictions: Any, ckpt_path: str, out: str | None) -> str:
+    """Write the predictions (``torch.save``) to ``out``, default ``predictions.pt`` beside the checkpoint."""
+    path = out or os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), "predictions.pt")
+    from dpfl_lightning.checkpoint import save_atomic
+
+    save_atomic(predictions, path)
+    return path
+
+
+def newest_config(log_dir: str, run_name: str) -> str | None:
+    """The ``config.yaml`` of the newest ``version_N`` of ``<log_dir>/<run_name>``."""
+    found = sorted(glob.glob(os.path.join(log_dir, run_name, "version_*", CONFIG_FILE)),
+                   key=lambda p: int(re.search(r"version_(\d+)", p).group(1)))
+    return found[-1] if found else None

@@ -175,7 +175,8 @@ class SCAFFOLD(Algorithm):
         self.warm_start_rounds = warm_start_rounds
 
     def plugins(self) -> list[FederatedCallback]:
-        return [SCAFFOLDPlugin(self.warm_start, self.warm_start_rounds), ServerOptimizer("sgd", lr=self.server_lr)]
+        scaffold = SCAFFOLDPlugin(self.warm_start, self.warm_start_rounds)  # its commit: c_i follow the dc sent
+        return [scaffold, scaffold.commit, ServerOptimizer("sgd", lr=self.server_lr)]
 
 
 class DPSCAFFOLD(_DPSGDClients, SCAFFOLD):

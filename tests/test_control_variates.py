@@ -548,3 +548,17 @@ def test_scaffold_refuses_client_level_dp_it_cannot_follow(log_dir):
     warm = SCAFFOLD(warm_start=True)
     with pytest.raises(ConfigError, match="amplified by client sampling"):  # partition blocks are not sampled
         fit(_client_dp(warm, "central"))
+
+
+def test_scaffold_preset_carries_its_commit_so_client_level_dp_on_dc_keeps_c_the_mean(log_dir):
+    from dpfl_lightning.algorithms import SCAFFOLD as SCAFFOLDPreset
+
+    M = 6
+    t = quiet_trainer(log_dir, rounds=3, clients_per_round=2, local_steps=2, algorithm=SCAFFOLDPreset(),
+                      plugins=[UpdateClipping(1.0, segments=["update", "dc"]),
+                               GaussianNoise(noise_multiplier=1.0, placement="local", segments=["update", "dc"])])
+    t.fit(TinyClassifier(lr=0.1), tiny_data(num_clients=M))
+    scaffold = next(p for p in t.plugins if isinstance(p, SCAFFOLD))
+    mean = sum(scaffold.control_variates.values()) / M
+    assert float(scaffold.c.abs().max()) > 0.01
+    assert torch.allclose(scaffold.c, mean, rtol=0, atol=1e-9 * float(scaffold.c.abs().max()))

@@ -19,6 +19,7 @@ The last row (sigma_g = 1e6) shows the limit sigma_g -> inf of the paper's bound
 
 from __future__ import annotations
 
+import math
 import time
 
 from dpfl_lightning.privacy.paper001 import (
@@ -77,6 +78,10 @@ def main() -> None:
             mismatches += published is not None and ours != published
             cells = " ".join(f"{'-' if t is None else t:>9}" for t in modern)
             print(f"{sigma_g:>8g} {k:>3} | {'-' if published is None else published:>6} {ours:>6} {diff:>5} | {cells}")
+    warm_rounds = math.ceil(1 / run["l"])  # DP-SCAFFOLD-warm: ceil(M / m) rounds meet every user once
+    print(f"\nDP-SCAFFOLD-warm spends ceil(M/m) = {warm_rounds} of these rounds on the warm start (the model "
+          f"does not move): rounds left to train at sigma_g = 40: "
+          + ", ".join(f"K={k}: {max_rounds(target, 40.0, k, **run) - warm_rounds}" for k in KS))
     cold, warm, modern = timing()
     print(f"\ncells where our paper-accountant T differs from the published T: {mismatches}")
     print(f"one paper epsilon: {cold * 1e3:.2f} ms cold (Steps 1-2 computed), {warm * 1e3:.3f} ms warm; "

@@ -199,6 +199,13 @@ _CKPT_HELP = {
 }
 
 
+_SPLIT_HELP = {
+    "split.alpha": "partition dirichlet: concentration of the class proportions (smaller: more heterogeneous)",
+    "split.shards_per_client": "partition shards: at most this many classes per client",
+    "split.iid_fraction": "partition label_sorted: the fraction of each client's data drawn i.i.d.",
+}
+
+
 def fit_parser(stage: str = "fit") -> ArgumentParser:
     """The parser of ``dpfl fit`` (and, with ``stage``, of ``validate`` / ``test`` / ``predict``,
     which take the same configuration)."""
@@ -220,6 +227,8 @@ def fit_parser(stage: str = "fit") -> ArgumentParser:
                                   f"ones, by name ({', '.join(models)}), with its init_args.")
     p.add_subclass_arguments((FederatedDataModule, lightning.LightningDataModule), "data", required=True)
     p.add_method_arguments(FederatedDataModule, "__init__", "split", skip={"datamodule"})
+    for action in p._actions:
+        action.help = action.help or _SPLIT_HELP.get(getattr(action, "dest", ""))
     p.add_argument("--ckpt_path", type=str | None, default=None, help=_CKPT_HELP.get(stage, _CKPT_HELP["validate"]))
     if stage == "fit":
         p.add_argument("--resume", type=str | None, default=None, help="the same as --ckpt_path")

@@ -37,6 +37,7 @@ from rich.text import Text
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 WANDB_ID_FILE = "wandb_run_id"
+WANDB_STEP_FILE = "wandb_step"
 METRICS_FILE = "metrics.csv"
 
 
@@ -107,7 +108,19 @@ class WandbLogger(_LightningWandbLogger):
     ``model.init_args.lr``): the same names as the command-line options and W&B sweep parameters.
     W&B's end-of-run summary and sparklines are off (the run's own summary table says the same);
     its warnings and errors are not.
+
+    Rows are logged at W&B step = round, so a resumed run continues the steps of the run it
+    resumes (also offline, where W&B itself would restart ``_step`` at 0); rounds the interrupted
+    run already logged (after its last checkpoint) are not logged again: W&B keeps a step's first
+    row, and in a simulation the resumed run computes the same values. In a DP run
+    (:meth:`protect_timing`, called before the W&B run starts) W&B's system statistics (CPU,
+    memory, disk, network, threads), its system metadata and its console capture are off: they
+    are timing and resource channels no mechanism covers.
     """
+
+    #: W&B settings of a DP run: no system statistics, metadata or console capture
+    PRIVATE_SETTINGS = {"x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True,
+                        "console": "off"}
 
     def __init__(self, project: str | None = None, entity: str | None = None, name: str | None = None,
                  group: str | None = None, tags: list[str] | None = None, mode: str = "auto",
@@ -125,6 +138,9 @@ class WandbLogger(_LightningWandbLogger):
         self._explicit_save_dir = save_dir is not None
         self._explicit_id = id is not None
         self.run_dir: str | None = None
+        self._pending_config: dict[str, Any] = {}
+        self._logged_through = 0  # the last step the run (or the run it resumes) logged
+        self.timing_protected = False
 
     # ------------------------------------------------------------------ set-up by make_loggers
     def bind_run(self, run_dir: str, run_name: str | None = None, resume: bool = False) -> None:
@@ -163,6 +179,38 @@ class WandbLogger(_LightningWandbLogger):
         if self.mode != "disabled":
             with open(id_file, "w") as f:
                 f.write(run_id + "\n")
+        step_file = os.path.join(run_dir, WANDB_STEP_FILE)
+        if resume and os.path.isfile(step_file):
+            with open(step_file) as f:
+                self._logged_through = int(f.read().strip() or 0)
+
+    def protect_timing(self) -> bool:
+        """Turn W&B's system statistics, metadata and console capture off (a DP run); ``False`` if
+        the W&B run has already started (they cannot be turned off any more)."""
+        if self._experiment is not None:
+            return False
+        import wandb
+
+        settings = self._wandb_init.get("settings") or wandb.Settings()
+        for key, value in self.PRIVATE_SETTINGS.items():
+            setattr(settings, key, value)
+        self._wandb_init["settings"] = settings
+        self.timing_protected = True
+        return True
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        """The W&B run, started at first use (so a DP run can turn its timing channels off first),
+        with the configuration logged so far."""
+        started = self._experiment is not None
+        run = _LightningWandbLogger.experiment.fget(self)
+        if not started and run is not None:
+            start = int(getattr(run, "starting_step", 0) or 0)  # a resumed online run: the server's next step
+            self._logged_through = max(self._logged_through, start - 1)
+            pending, self._pending_config = self._pending_config, {}
+            self._update_config(run, pending)
+        return run
 
     @property
     def run_id(self) -> str | None:
@@ -180,12 +228,36 @@ class WandbLogger(_LightningWandbLogger):
 
         params = _sanitize_callable_params(_convert_params(params))
         flat = flatten_config(params)
-        run = self.experiment
+        if self._experiment is None:  # logged when the W&B run starts
+            self._pending_config.update(flat)
+            return
+        self._update_config(self._experiment, flat)
+
+    @staticmethod
+    def _update_config(run: Any, flat: dict[str, Any]) -> None:
         if _in_wandb_sweep():
             existing = set(run.config.keys()) if hasattr(run.config, "keys") else set()
             flat = {k: v for k, v in flat.items() if k not in existing}
         if flat:
             run.config.update(flat, allow_val_change=True)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Log one row at W&B step ``step`` (the round); a step the run already logged is skipped
+        (see the class docstring)."""
+        if step is None:
+            super().log_metrics(metrics, step)
+            return
+        run = self.experiment
+        if step <= self._logged_through:
+            return
+        run.log({**metrics, "trainer/global_step": step}, step=step)
+        self._logged_through = step
+        if self.run_dir is not None and self.mode != "disabled":
+            tmp = os.path.join(self.run_dir, f"{WANDB_STEP_FILE}.tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(f"{step}\n")
+            os.replace(tmp, os.path.join(self.run_dir, WANDB_STEP_FILE))
 
     def offline_dirs(self) -> list[str]:
         """This run's offline directories (one per start: a resumed run has several)."""
@@ -340,11 +412,31 @@ def make_loggers(log_dir: str, run_name: str, extra: Iterable[Any] = (), *, resu
 _SIMPLE = (int, float, str, bool, type(None))
 
 
+def _towards(description: str) -> str:
+    """``towards the server`` from a guarantee's description (its audience, in words)."""
+    m = re.search(r"towards ([^;(]+)", description)
+    return f"towards {m.group(1).strip()}" if m else ""
+
+
+def epsilon_columns(ledger: Any) -> dict[str, dict[str, Any]]:
+    """Which guarantee each logged epsilon column is: ``{"epsilon": {...}, "epsilon_<name>": {...}}``
+    with the guarantee's ``name``, ``granularity`` (client or record), ``audience``, ``towards``
+    (in words), ``delta`` and ``description``; ``epsilon`` is the ledger's main guarantee."""
+    out: dict[str, dict[str, Any]] = {}
+    main = getattr(ledger, "main", None)
+    for g in getattr(ledger, "guarantees", None) or []:
+        column = "epsilon" if g.name == main else f"epsilon_{g.name}"
+        out[column] = {"guarantee": g.name, "granularity": g.granularity, "audience": g.audience,
+                       "towards": _towards(g.description), "delta": ledger.delta, "description": g.description}
+    return out
+
+
 def privacy_settings(mechanisms: Iterable[Any], ledger: Any = None, statement: Iterable[str] | None = None) -> dict[str, Any]:
     """The privacy settings of a run, after set-up (calibrated noise resolved): every declared
     mechanism (its source, placement, granularity, covered segments, description); the ledger's
-    accountant, delta and budget; and ``guarantees``: ``statement`` (the run's privacy lines) or
-    else the ledger's own description, one line per guarantee. Empty for a run without DP."""
+    accountant, delta and budget; ``epsilons``: which guarantee each logged epsilon column is (see
+    :func:`epsilon_columns`); and ``guarantees``: ``statement`` (the run's privacy lines) or else
+    the ledger's own description, one line per guarantee. Empty for a run without DP."""
     out: dict[str, Any] = {}
     lines = list(statement) if statement is not None else None
     mechanisms = [{"source": m.source, "placement": m.placement, "granularity": m.granularity,
@@ -354,6 +446,7 @@ def privacy_settings(mechanisms: Iterable[Any], ledger: Any = None, statement: I
         for key in ("accountant", "delta", "budget"):
             if isinstance(getattr(ledger, key, None), _SIMPLE):
                 out[key] = getattr(ledger, key)
+        out["epsilons"] = epsilon_columns(ledger)
         if lines is None:
             lines = list(ledger.describe())
     if mechanisms:
@@ -365,11 +458,38 @@ def privacy_settings(mechanisms: Iterable[Any], ledger: Any = None, statement: I
 
 def log_privacy_settings(loggers: Iterable[Any], settings: Mapping[str, Any]) -> None:
     """Add ``settings`` (see :func:`privacy_settings`) to every logger's hyperparameters under
-    ``privacy`` (``hparams.yaml``; W&B config keys ``privacy.*``). Nothing for empty settings."""
+    ``privacy`` (``hparams.yaml``; W&B config keys ``privacy.*``), and turn a W&B logger's timing
+    channels off (:meth:`WandbLogger.protect_timing`). Nothing for empty settings (no DP)."""
     if not settings:
         return
     for lg in loggers:
+        if isinstance(lg, WandbLogger):
+            lg.protect_timing()
         lg.log_hyperparams({"privacy": dict(settings)})
+
+
+def noise_multiplier_notes(ledger: Any, mechanisms: Iterable[Any]) -> list[str]:
+    """Why a guarantee's noise multiplier differs from the one configured: under replace-one
+    neighbours the sensitivity of a sum of ``C``-bounded updates is ``2C`` (std / 2C), and
+    mechanisms released together (an update and a noisy count) are one Gaussian."""
+    configured = sorted({float(m.noise_multiplier) for m in mechanisms if getattr(m, "noise_multiplier", None)})
+    notes = []
+    for g in getattr(ledger, "guarantees", None) or []:
+        r = g.release
+        z = r.noise_multiplier
+        if z is None or any(math.isclose(z, c, rel_tol=1e-3) for c in configured):
+            continue
+        parts = []
+        if r.relation == "replace_one":
+            parts.append("replace-one neighbours: a replaced client moves the sum by up to 2C, so the multiplier "
+                         "is std / 2C, half of std / C")
+        if len(r.events) > 1:
+            parts.append(f"{len(r.events)} mechanisms released together compose as one Gaussian")
+        if parts:
+            shown = ", ".join(f"{c:g}" for c in configured)
+            notes.append(f"noise multiplier {z:.4g} {_towards(g.description)} (configured: {shown}): "
+                         + "; ".join(parts))
+    return notes
 
 
 # ---------------------------------------------------------------------------------------- console
@@ -409,15 +529,48 @@ def metrics_line(metrics: Mapping[str, Any], keys: Sequence[str] | None = None) 
 
 
 class _ProgressWithMetrics(Progress):
-    """A rich progress bar with the latest metrics on a line of their own below it, cut to the
-    terminal's width (never wrapped, so the bar is not pushed around)."""
+    """A rich progress bar with the latest metrics below it, wrapped between metrics to the
+    terminal's width (every metric stays visible; none is cut in the middle)."""
 
     def get_renderables(self):
         yield self.make_tasks_table(self.tasks)
         for task in self.tasks:
             text = task.fields.get("metrics", "")
             if text:
-                yield Text(text, no_wrap=True, overflow="ellipsis", style="dim")
+                yield Text(wrap_words(text, self.console.width, sep="  "), style="dim")
+
+
+def wrap_words(text: str, width: int | None, indent: str = "", sep: str = " ") -> str:
+    """``text`` broken into lines of at most ``width`` characters between the ``sep``-separated
+    words (never inside one; a word longer than the line gets a line of its own), continuation
+    lines starting with ``indent``. ``width=None``: one line."""
+    if not width:
+        return text
+    lines: list[str] = []
+    line = ""
+    for word in text.split(sep):
+        if not word:
+            continue
+        candidate = f"{line}{sep}{word}" if line else (indent if lines else "") + word
+        if line and len(candidate) > width:
+            lines.append(line)
+            line = indent + word
+        else:
+            line = candidate
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def print_privacy_lines(lines: Iterable[str], console: Console | None = None) -> None:
+    """The run's privacy statement (and release notes), one ``privacy: ...`` entry per line; on a
+    terminal wrapped between words to its width with an indent, in a file or pipe one line each."""
+    console = console or Console(stderr=True)
+    width = console.width if console.is_terminal else None
+    for line in lines:
+        text = wrap_words(f"privacy: {line}", width, indent="  ")
+        out = Text(text)
+        out.stylize("bold", 0, len("privacy"))
+        console.print(out, soft_wrap=True, highlight=False)
 
 
 def _clock(seconds: float) -> str:

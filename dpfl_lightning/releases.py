@@ -99,7 +99,9 @@ class ReleaseList:
         if self.private and self.withheld:
             lines.append("withheld from the logs (un-noised client statistics): " + ", ".join(sorted(self.withheld)))
         if self.private and "round_time_s" in self.withheld:
-            lines.append("timing is not covered: W&B's _timestamp/_runtime and the console's elapsed time still say "
-                         "when each round ended, which depends on the cohort's data; give the logs to untrusted "
-                         "readers without their clocks")
+            lines.append("timing is not covered: dpfl's WandbLogger turns W&B's system statistics (CPU, memory, disk, "
+                         "network, threads), system metadata and console capture off in a DP run, and dpfl sweep "
+                         "records no durations of DP runs, but W&B's _timestamp/_runtime, the console's elapsed time "
+                         "and the log files' modification times still say when each round ended, which depends on "
+                         "the cohort's data; give the logs to untrusted readers without their clocks")
         return lines

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
 
 from dpfl_lightning import rng
 from dpfl_lightning.checkpoint import check_state_keys
 from dpfl_lightning.contexts import SetupContext
 from dpfl_lightning.errors import require
+from dpfl_lightning.loggers import noise_multiplier_notes, print_privacy_lines
 from dpfl_lightning.payload import UPDATE, PayloadLayout, Segment, check_coverage
 from dpfl_lightning.plan import RoundPlan
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
@@ -104,20 +104,17 @@ class RunSetup:
         return float(len(plan.cohort))
 
     def privacy_lines(self) -> list[str]:
-        lines = list(self.ledger.describe()) if self.ledger is not None and self.ledger.guarantees else []
-        return lines + self.notes
+        if self.ledger is None or not self.ledger.guarantees:
+            return list(self.notes)
+        return list(self.ledger.describe()) + noise_multiplier_notes(self.ledger, self.ctx.mechanisms) + self.notes
 
     def print_privacy_statement(self, trainer: FederatedTrainer) -> None:
         if trainer.is_global_zero and trainer.enable_summary and self.private:
-            console = Console(stderr=True, soft_wrap=True)
-            for line in self.privacy_lines():
-                console.print(f"[bold]privacy[/bold]: {line}")
+            print_privacy_lines(self.privacy_lines())
 
     def print_release_notes(self) -> None:
         if self.private:
-            console = Console(stderr=True, soft_wrap=True)
-            for line in self.releases.describe():
-                console.print(f"[bold]privacy[/bold]: {line}")
+            print_privacy_lines(self.releases.describe())
 
 
 def _random_source(trainer: FederatedTrainer) -> rng.RandomSource:

@@ -23,6 +23,7 @@ from dpfl_lightning.loggers import (
     log_privacy_settings,
     make_loggers,
     metrics_line,
+    print_privacy_lines,
     summary_rows,
 )
 
@@ -91,7 +92,8 @@ def wandb_history(path):
     for rec in finished_wandb_records(path):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
-            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            rows.append({**row, "_step": rec.history.step.num})
         elif kind == "run":
             run_ids.append(rec.run.run_id)
             config.update({c.key: json.loads(c.value_json) for c in rec.run.config.update})
@@ -132,6 +134,7 @@ def test_offline_wandb_run_lands_in_the_run_directory_with_the_logged_keys(tmp_p
     assert ids == [run_id]
     assert [r["val_acc"] for r in rows] == pytest.approx([0.1, 0.2, 0.3])
     assert [r["trainer/global_step"] for r in rows] == [1, 2, 3]
+    assert [r["_step"] for r in rows] == [1, 2, 3]  # W&B's step is the round
     # the configuration under the command-line option names, and the privacy settings
     assert config["trainer.rounds"] == 4 and config["model.init_args.lr"] == 0.1
     assert config["privacy.accountant"] == "rdp"
@@ -187,8 +190,13 @@ def test_resumed_run_appends_to_its_csv_and_continues_its_wandb_run(tmp_path, mo
     assert [float(r["val_acc"]) for r in rows] == pytest.approx([0.1, 0.2, 4.0, 5.0, 6.0])
     parts = sorted(glob.glob(os.path.join(first[0].log_dir, "wandb", f"offline-run-*-{first_id}")))
     assert len(parts) == 2  # both starts, one W&B run id: `wandb sync --id <id> <both>` uploads one run
+    rows1, _, _ = wandb_history(os.path.join(parts[0], f"run-{first_id}.wandb"))
     rows2, _, ids2 = wandb_history(os.path.join(parts[1], f"run-{first_id}.wandb"))
-    assert ids2 == [first_id] and [r["trainer/global_step"] for r in rows2] == [3, 4, 5]
+    assert [r["_step"] for r in rows1] == [1, 2, 3, 4]
+    # the resumed start continues W&B's steps (offline, W&B would restart _step at 0) and does not log
+    # rounds 3 and 4 a second time: synced, the run has every round once
+    assert ids2 == [first_id] and [(r["_step"], r["trainer/global_step"]) for r in rows2] == [(5, 5)]
+    assert rows2[0]["val_acc"] == pytest.approx(6.0)
 
 
 def test_a_new_run_gets_a_new_version_and_wandb_id(tmp_path, monkeypatch):
@@ -200,6 +208,60 @@ def test_a_new_run_gets_a_new_version_and_wandb_id(tmp_path, monkeypatch):
     assert a[1].run_id != b[1].run_id
     assert a[1]._wandb_init["name"] == "demo" and a[1]._wandb_init["resume"] == "allow"
     assert "anonymous" not in a[1]._wandb_init and a[1]._wandb_init["settings"].quiet
+
+
+def _record_kinds(path):
+    return {r.WhichOneof("record_type") for r in finished_wandb_records(path)}
+
+
+def test_a_dp_run_turns_wandb_timing_channels_off(tmp_path, monkeypatch):
+    """System statistics (sampled every 0.1 s here) and system metadata reach an ordinary W&B run;
+    a DP run's has neither, and no console capture."""
+    monkeypatch.chdir(tmp_path)
+    kinds = {}
+    for private in (False, True):
+        wb = WandbLogger(mode="offline", settings={"x_stats_sampling_interval": 0.1})
+        loggers = make_loggers(str(tmp_path / "runs"), f"private={private}", [wb], config=CONFIG)
+        if private:
+            log_privacy_settings(loggers, {"accountant": "rdp", "delta": 1e-5})
+        for r in (1, 2, 3):
+            time.sleep(0.4)
+            _log_rounds(loggers, [r], lambda r: 0.5)
+        _finish(loggers)
+        (path,) = glob.glob(os.path.join(loggers[0].log_dir, "wandb", "offline-run-*", "*.wandb"))
+        kinds[private] = _record_kinds(path)
+        assert wb.timing_protected is private
+    assert {"stats", "environment"} <= kinds[False]
+    assert not {"stats", "environment", "output_raw", "output"} & kinds[True]
+    assert "history" in kinds[True]
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_privacy_lines_wrap_between_words(width):
+    line = ("client-level DP, distributed noise (GaussianNoise), towards the server (secure aggregation hides the "
+            "shares; the server knows who took part); no sampling, replace-one neighbours, noise multiplier "
+            "4.905; worst client's participations; pld accountant, delta=1e-06") * 2
+    buf = io.StringIO()
+    print_privacy_lines([line, "short"], Console(file=buf, force_terminal=True, width=width, color_system=None))
+    out = buf.getvalue().splitlines()
+    assert max(len(ln) for ln in out) <= width and len(out) > 2
+    assert out[0].startswith("privacy: ") and out[-1] == "privacy: short"
+    assert " ".join(ln.strip() for ln in out[:-1]) == f"privacy: {line}"  # no word split
+    piped = io.StringIO()
+    print_privacy_lines([line], Console(file=piped, force_terminal=False, width=80))
+    assert piped.getvalue() == f"privacy: {line}\n"  # a log file keeps one line per entry
+
+
+def test_the_privacy_line_says_why_a_noise_multiplier_differs(tmp_path, capfd):
+    cli.main(["fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--trainer.rounds", "1",
+              "--trainer.algorithm.init_args.placement", "distributed", "--trainer.algorithm.init_args.noise_multiplier",
+              "1.0", "--data.init_args.num_clients", "40", "--trainer.enable_progress_bar", "false",
+              "--trainer.loggers", "[]", "--trainer.log_dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert "towards the server" in err and "noise multiplier 0.5;" in err
+    assert "noise multiplier 0.5 towards the server (configured: 1): replace-one neighbours: a replaced client " \
+           "moves the sum by up to 2C" in err
+    assert "noise multiplier 1 towards anyone" not in err  # the models' guarantee uses the configured one
 
 
 # ---------------------------------------------------------------------------------------- console
@@ -236,8 +298,11 @@ def test_terminal_progress_fits_80_columns():
     assert max(len(ln) for ln in lines) <= 80
     bar = [ln for ln in lines if ln.startswith("round 30/60")]
     assert bar, lines[-3:]
-    metrics = lines[lines.index(bar[-1]) + 1]
-    assert metrics.startswith("val_acc=0.8  epsilon=3  val_loss=0.03333") and metrics.endswith("…")
+    below = lines[lines.index(bar[-1]) + 1:]
+    assert below[0].startswith("val_acc=0.8  epsilon=3  val_loss=0.03333")
+    shown = "  ".join(below[:2])  # wrapped between metrics onto a second line, nothing cut
+    assert "…" not in shown and "client_val_acc_p10=0.2" in shown
+    assert all(re.fullmatch(r"(\S+=\S+)(  \S+=\S+)*", ln) for ln in below[:2])
 
 
 def test_metrics_line_order():

@@ -150,8 +150,8 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from dpfl_lightning.callbacks import RoundTrainer, check_callbacks
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.module import (FederatedLightningModule, LoopSettings, _ScheduleCursor, is_overridden,
-                                   optimizer_steps_per_round)
+from dpfl_lightning.module import FederatedLightningModule, LoopSettings, is_overridden, optimizer_steps_per_round
+from dpfl_lightning.schedule import RoundEnd, ScheduleCursor, merge_end
 from dpfl_lightning.plan import RoundPlan, batch_shape
 
 if TYPE_CHECKING:
@@ -164,6 +164,24 @@ def mixed16_needs_cuda(trainer: FederatedTrainer) -> None:
     if not trainer._wants_cuda():
         raise ConfigError("trainer.precision", "16-mixed", "float16 autocast with loss scaling needs CUDA, and this "
                           "run trains on CPU", "use precision='bf16-mixed' (CPU and CUDA) or '32'")
+
+
+_SCHEDULE_KEY = "dpfl_lightning.schedule"
+
+# what the run says, once, where a client's optimizers cannot continue as one lightning.Trainer run's would
+_DIFFERS = {
+    "private": "the module changed its optimizers' state in local training (global_step, a learning rate, a "
+               "scheduler's state: a warm-up in optimizer_step, an epoch ended early, several optimizers or schedulers "
+               "stepped by the module); in a DP run what a client's training decides stays with the client, so every "
+               "client starts the next round where the schedule places it",
+    "differ": "the clients of a round ended their local training in different optimizer states (global_step, learning "
+              "rates or scheduler states depend on their data or size), so the next round's clients start where the "
+              "schedule places them",
+    "missing": "no client took the number of steps whose optimizer state the module changed in an earlier round, so "
+               "such clients start where the schedule places them",
+    "structure": "configure_optimizers returned other optimizers or param groups than the state carried from the "
+                 "previous round, so the fresh optimizers keep configure_optimizers' settings",
+}
 
 
 def _uses_dpsgd(plugins: list[Any]) -> bool:
@@ -183,6 +201,7 @@ class LightningRun:
         self.adapter: RoundTrainer | None = None
         self.steps_differ = False
         self._plateau_warned: set[str] = set()
+        self._said: set[str] = set()
         inner = module.inner
         callbacks = list(trainer.callbacks)
         if is_overridden(inner, "configure_callbacks"):
@@ -266,7 +285,7 @@ class LightningRun:
                           "draws its own batches from its own records (shuffled, or as DP-SGD's accountant assumes)",
                           UserWarning, stacklevel=3)
 
-    def reference(self) -> _ScheduleCursor:
+    def reference(self) -> ScheduleCursor:
         """The optimizers and schedulers of the reference (largest) client at the current round: what
         ``LearningRateMonitor`` reports."""
         return self.module.cursor(self.module.loop.steps_reference, self.round_idx)
@@ -285,6 +304,7 @@ class LightningRun:
         self.rounds_done = self.round_idx = start_round
         for r, row in enumerate(self.trainer.history):  # a resumed run: ReduceLROnPlateau's past inputs
             self.module.record_round(int(row.get("round", r + 1)) - 1, row)
+        self.module.load_schedule_state(self.saved_callback_states.get(_SCHEDULE_KEY, []))
         if self.callbacks:
             self.adapter = RoundTrainer(self, self.callbacks, loggers)
             self.adapter.current_epoch = start_round
@@ -319,6 +339,7 @@ class LightningRun:
         self._merge_logs(metrics, kinds)
         row = releases.filter(metrics, kinds)
         self.rounds_done = round_idx + 1
+        self._take_round_ends(round_idx)
         module.record_round(round_idx, row)
         self._check_plateau(round_idx, row, evaluated)
         if self.adapter is not None:
@@ -333,6 +354,39 @@ class LightningRun:
             row.update(releases.filter(late, kinds))
         return row
 
+    def _take_round_ends(self, round_idx: int) -> None:
+        """Where the round's clients all ended their local training in the same optimizer state that
+        the schedule alone does not give, the next round's clients continue from it (one Lightning
+        run's position; see :mod:`dpfl_lightning.schedule`); not in a DP run. Otherwise the run says,
+        once, what differs from lightning.Trainer."""
+        module, trainer = self.module, self.trainer
+        ends = module.round_ends_of_clients()
+        if trainer.private:
+            if any(end is not None for end in ends.values()):
+                self._say("private")
+            return
+        comm = trainer.comm
+        if comm is not None and comm.size > 1:
+            parts, ends = comm.allgather_object(ends), {}
+            for part in parts:
+                for steps, end in part.items():
+                    merge_end(ends, steps, end)
+        for steps, end in sorted(ends.items()):
+            if end == "differ":
+                self._say("differ")
+            elif isinstance(end, RoundEnd) and not module.take_round_end(steps, round_idx, end):
+                self._say("structure")
+        if {s for s, _ in module.round_ends} - set(ends):
+            self._say("missing")
+        for kind in sorted(module.notes):
+            self._say(kind)
+
+    def _say(self, kind: str) -> None:
+        if kind in self._said:
+            return
+        self._said.add(kind)
+        warnings.warn(f"lightning.Trainer would differ: {_DIFFERS[kind]}", RuntimeWarning, stacklevel=3)
+
     def _merge_logs(self, metrics: dict[str, float], kinds: dict[str, str]) -> None:
         if self.adapter is None:
             return
@@ -344,10 +398,7 @@ class LightningRun:
             metrics[key] = value
 
     def _check_plateau(self, round_idx: int, row: dict[str, float], evaluated: bool) -> None:
-        cursor = self.module._cursors.get(self.module.loop.steps_reference)
-        scheds = cursor.scheds if cursor is not None else []
-        if not scheds and self.module._has_schedulers:
-            scheds = self.reference().scheds
+        scheds = self.reference().scheds if self.module.has_schedulers else []
         for cfg in scheds:
             if not cfg.reduce_on_plateau or cfg.monitor in row or not evaluated:
                 continue
@@ -367,7 +418,10 @@ class LightningRun:
     def callback_states(self) -> dict[str, Any]:
         """Every Lightning callback's ``state_dict`` by ``state_key``, for the run's checkpoint
         (``ModelCheckpoint``'s best models, ``EarlyStopping``'s patience count)."""
-        return {cb.state_key: cb.state_dict() for cb in self.callbacks}
+        states = {cb.state_key: cb.state_dict() for cb in self.callbacks}
+        # and where the clients' optimizers stand (dpfl_lightning.schedule), under a key no callback has
+        states[_SCHEDULE_KEY] = self.module.schedule_state()
+        return states
 
     def train_end(self) -> None:
         inner = self.module.inner
@@ -406,7 +460,7 @@ class LightningRun:
         module = self.module
         module.load_global()
         datamodule = getattr(self.data, "datamodule", None)
-        return lightning_checkpoint(module.inner, rounds_done, rounds_done * module.loop.steps_reference,
+        return lightning_checkpoint(module.inner, rounds_done, module.start_step(module.loop.steps_reference, rounds_done),
                                     datamodule if hasattr(datamodule, "CHECKPOINT_HYPER_PARAMS_KEY") else None)
 
     def save_lightning_checkpoint(self, path: str, epoch: int, global_step: int) -> None:

@@ -50,6 +50,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from dpfl_lightning import optimizer_calls
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.logged_metrics import LoggedMetrics
+from dpfl_lightning.schedule import (RoundEnd, ScheduleCursor, ended_as, hyperparameters, merge_end,
+                                     step_scheduler)
 
 Batch = Any
 StepHook = Callable[[torch.optim.Optimizer], None]
@@ -387,72 +389,12 @@ def _check_model(m: nn.Module, params: list[nn.Parameter]) -> None:
 
 # ---------------------------------------------------------------------------------------- schedules across rounds
 def _step_scheduler(m: nn.Module, cfg: LRSchedulerConfig, metric: Any, custom: bool) -> None:
+    """One scheduler step as lightning.Trainer takes it: through the module's ``lr_scheduler_step``
+    when it overrides it (automatic optimization), else the scheduler's own ``step``."""
     if custom:
         m.lr_scheduler_step(cfg.scheduler, metric)
-    elif metric is None:
-        cfg.scheduler.step()
     else:
-        cfg.scheduler.step(metric)
-
-
-class _ScheduleCursor:
-    """The optimizers and schedulers of clients that take ``steps`` optimizer steps per round, advanced
-    round by round without data: where a Lightning run whose every epoch had ``steps`` steps would
-    be at the start of a round. Fresh client optimizers copy their learning rates (and every other
-    param-group setting) and their schedulers' state from here."""
-
-    def __init__(self, fm: FederatedLightningModule, steps: int) -> None:
-        self.steps = steps
-        self.opts, self.scheds = fm._configure_optimizers(steps)
-        for opt in self.opts:
-            opt._opt_called = True  # these optimizers never step; torch would warn on the first scheduler step
-        self.round = 0
-        self._step = [c for c in self.scheds if c.interval == "step" and not c.reduce_on_plateau]
-        self._epoch = [c for c in self.scheds if c.interval == "epoch" and not c.reduce_on_plateau]
-        self._plateau = [c for c in self.scheds if c.reduce_on_plateau]
-
-    def advance(self, fm: FederatedLightningModule, round_idx: int) -> None:
-        """Bring the schedulers to the start of ``round_idx``: per past round, its step-interval steps,
-        then the epoch-interval steps, then ``ReduceLROnPlateau`` on the round's released metric."""
-        if round_idx < self.round:
-            raise RuntimeError(f"schedule cursor at round {self.round} cannot go back to round {round_idx}")
-        m, custom, shim = fm.inner, fm._overridden["lr_scheduler_step"], fm._shim
-        saved = shim.current_epoch, shim.global_step
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-                for r in range(self.round, round_idx):
-                    shim.current_epoch = r
-                    if self._step:
-                        for g in range(r * self.steps + 1, (r + 1) * self.steps + 1):
-                            shim.global_step = g
-                            for cfg in self._step:
-                                if g % cfg.frequency == 0:
-                                    _step_scheduler(m, cfg, None, custom)
-                    for cfg in self._epoch:
-                        if (r + 1) % cfg.frequency == 0:
-                            _step_scheduler(m, cfg, None, custom)
-                    for cfg in self._plateau:
-                        value = fm.round_metrics.get(r, {}).get(cfg.monitor)
-                        if value is not None and (r + 1) % cfg.frequency == 0:
-                            _step_scheduler(m, cfg, float(value), custom)
-        finally:
-            shim.current_epoch, shim.global_step = saved
-        self.round = round_idx
-
-    def copy_into(self, opts: list[torch.optim.Optimizer], scheds: list[LRSchedulerConfig]) -> None:
-        if len(opts) != len(self.opts) or len(scheds) != len(self.scheds) or any(
-                len(a.param_groups) != len(b.param_groups) for a, b in zip(opts, self.opts)):
-            raise ConfigError("model.configure_optimizers", f"{len(opts)} optimizers, {len(scheds)} schedulers",
-                              "returned a different structure on another call", "return the same optimizers and "
-                              "schedulers (and param groups) every time it is called")
-        for opt, ref in zip(opts, self.opts):
-            for group, ref_group in zip(opt.param_groups, ref.param_groups):
-                for key, value in ref_group.items():
-                    if key != "params":
-                        group[key] = value
-        for cfg, ref in zip(scheds, self.scheds):
-            cfg.scheduler.load_state_dict(copy.deepcopy(ref.scheduler.state_dict()))
+        step_scheduler(cfg, metric)
 
 
 @dataclass
@@ -506,7 +448,11 @@ class FederatedLightningModule:
         self.loop = LoopSettings()
         self.datamodule: Any = None
         self.round_metrics: dict[int, dict[str, float]] = {}  # released rows by round (ReduceLROnPlateau)
-        self._cursors: dict[int, _ScheduleCursor] = {}
+        self._cursors: dict[int, ScheduleCursor] = {}
+        self.round_ends: dict[tuple[int, int], RoundEnd] = {}  # taken, by (steps per round, round)
+        self._carried: set[int] = set()  # the steps per round with a round end taken
+        self._client_ends: dict[int, RoundEnd | str | None] = {}
+        self.notes: set[str] = set()  # what the run says differs from lightning.Trainer (once each)
         self._has_schedulers: bool | None = None
         self._scaler: Any = None
         self._autocast: tuple[str, torch.dtype] | None = None
@@ -515,6 +461,8 @@ class FederatedLightningModule:
         self._in_step = False
         self._all_modules: list[nn.Module] | None = None  # the module tree, for _modes
         self._stats_hooks: list[Any] = []
+        self._mask: torch.Tensor | None = None
+        self._mask_flags: tuple[bool, ...] | None = None
         self._dp_steps = 0
         self._overridden = {h: False for h in _STEP_HOOKS}
         self._automatic = bool(getattr(self.inner, "automatic_optimization", True))
@@ -541,6 +489,7 @@ class FederatedLightningModule:
         self._cursors = {}
         self._has_schedulers = None
         self.round_metrics = {}
+        self.round_ends, self._client_ends, self.notes, self._carried = {}, {}, set(), set()
 
     def attach(self) -> None:
         """Make ``self.trainer`` of the wrapped module (and of LightningModules inside it) the stand-in,
@@ -586,6 +535,7 @@ class FederatedLightningModule:
             self._slices.append((offset, n))
             offset += n
         self._params = params
+        self._mask_flags = None  # (trainable_mask of this layout)
         self._laid_out = True
         self.global_params = self.working.clone()
         self._buffers0 = {k: b.detach().clone() for k, b in m.named_buffers()}
@@ -658,6 +608,20 @@ class FederatedLightningModule:
         """``(offset, size)`` of every parameter of the wrapped module in the flat buffers."""
         return list(self._slices)
 
+    def trainable_mask(self) -> torch.Tensor:
+        """A bool mask over the flat parameter buffers (``working``, ``global_params``): ``True`` where the
+        parameter requires gradients now. Call it between clients for the state at the start of a round;
+        a module's hooks may change it inside a client (a layer unfrozen in ``on_train_epoch_start`` or
+        ``configure_optimizers``), so read it again after a client to see what it trained. A fresh tensor."""
+        flags = tuple(p.requires_grad for p in self._params)
+        if flags != self._mask_flags:
+            mask = torch.zeros(self.working.numel(), dtype=torch.bool, device=self.working.device)
+            for trainable, (offset, n) in zip(flags, self._slices):
+                if trainable:
+                    mask[offset : offset + n] = True
+            self._mask, self._mask_flags = mask, flags
+        return self._mask.clone()
+
     @property
     def parameter_list(self) -> list[torch.nn.Parameter]:
         """The wrapped module's parameters, in the order of the flat buffers."""
@@ -728,12 +692,25 @@ class FederatedLightningModule:
     # ------------------------------------------------------------------ optimizers and schedules
     def set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
         """What the module's trainer says at the start of a client's round: ``current_epoch`` is the
-        round, ``global_step`` starts at ``round * steps`` (see :mod:`dpfl_lightning.lightning_compat`)."""
+        round, ``global_step`` where the schedule of ``steps`` steps per round stands (``round * steps``
+        unless the module's own steps moved it; see :mod:`dpfl_lightning.schedule`)."""
         shim = self._shim
         shim.current_epoch = round_idx
-        shim.global_step = round_idx * steps
+        shim.global_step = self.start_step(steps, round_idx)
         shim.estimated_stepping_batches = self.loop.rounds * steps
         shim.num_training_batches = batches
+
+    def start_step(self, steps: int, round_idx: int) -> int:
+        """``global_step`` at the start of ``round_idx`` for clients of ``steps`` steps per round: that of
+        the last round end taken before it, plus ``steps`` per round since."""
+        cur = self._cursors.get(steps)
+        if cur is not None and cur.round <= round_idx:
+            return self.cursor(steps, round_idx).start_step
+        taken = [r for s, r in self.round_ends if s == steps and r < round_idx]
+        if not taken:
+            return round_idx * steps
+        last = max(taken)
+        return self.round_ends[(steps, last)].step + (round_idx - 1 - last) * steps
 
     def _configure_optimizers(self, steps: int) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
         shim = self._shim
@@ -755,23 +732,90 @@ class FederatedLightningModule:
         self._has_schedulers = bool(scheds)
         return opts, scheds
 
-    def cursor(self, steps: int, round_idx: int) -> _ScheduleCursor:
-        """The schedulers of a client with ``steps`` optimizer steps per round, at the start of ``round_idx``."""
+    @property
+    def has_schedulers(self) -> bool:
+        """Whether ``configure_optimizers`` returned LR schedulers."""
+        return bool(self._has_schedulers)
+
+    def cursor(self, steps: int, round_idx: int) -> ScheduleCursor:
+        """The optimizers and schedulers of a client with ``steps`` optimizer steps per round, at the start
+        of ``round_idx`` (see :mod:`dpfl_lightning.schedule`)."""
         cur = self._cursors.get(steps)
         if cur is None or cur.round > round_idx:
-            cur = self._cursors[steps] = _ScheduleCursor(self, steps)
-        cur.advance(self, round_idx)
+            opts, scheds = self._configure_optimizers(steps)
+            cur = self._cursors[steps] = ScheduleCursor(
+                opts, scheds, steps, self._automatic, self._cursor_step,
+                lambda r, monitor: self.round_metrics.get(r, {}).get(monitor),
+                lambda r: self.round_ends.get((steps, r)))
+        cur.advance(round_idx)
         return cur
 
+    def _cursor_step(self, cfg: LRSchedulerConfig, metric: Any, epoch: int, global_step: int) -> None:
+        """A scheduler step of a cursor, with ``current_epoch`` and ``global_step`` showing its position
+        (lightning.Trainer never steps schedulers in manual optimization, nor calls lr_scheduler_step
+        there: a cursor places them by their declared interval with their own ``step``)."""
+        shim = self._shim
+        saved = shim.current_epoch, shim.global_step
+        shim.current_epoch, shim.global_step = epoch, global_step
+        try:
+            _step_scheduler(self.inner, cfg, metric, self._automatic and self._overridden["lr_scheduler_step"])
+        finally:
+            shim.current_epoch, shim.global_step = saved
+
     def make_optimizers(self, steps: int = 0, round_idx: int = 0) -> tuple[list[torch.optim.Optimizer],
-                                                                          list[LRSchedulerConfig]]:
-        """Fresh local optimizers from ``configure_optimizers``, their learning rates and schedulers where
-        the run's schedule is at the start of ``round_idx`` for a client of ``steps`` steps per round."""
+                                                                          list[LRSchedulerConfig], RoundEnd]:
+        """Fresh local optimizers from ``configure_optimizers``, with the settings and scheduler states of
+        the cursor of ``steps`` steps per round at the start of ``round_idx``; and the state the schedule
+        alone would end the round in (what the client's own end is compared with)."""
         opts, scheds = self._configure_optimizers(steps)
         if scheds:
             self._has_schedulers = True
-            self.cursor(steps, round_idx).copy_into(opts, scheds)
-        return opts, scheds
+        if scheds or steps in self._carried:
+            cur = self.cursor(steps, round_idx)
+            if cur.copy_into(opts, scheds):
+                return opts, scheds, cur.expected_end()
+            self._note("structure")
+        return opts, scheds, RoundEnd(self.start_step(steps, round_idx) + steps, hyperparameters(opts), [])
+
+    # ------------------------------------------------------------------ what clients carry across rounds
+    def _record_end(self, steps: int, opts: list[torch.optim.Optimizer], scheds: list[LRSchedulerConfig],
+                    expected: RoundEnd) -> None:
+        """A client's end of round, summed up for the round (:func:`~dpfl_lightning.schedule.merge_end`):
+        only where it differs from the schedule's does its state count."""
+        step = self._shim.global_step
+        if ended_as(expected, step, opts, scheds):
+            merge_end(self._client_ends, steps, None)
+        else:
+            merge_end(self._client_ends, steps, RoundEnd(step, hyperparameters(opts),
+                                                         [copy.deepcopy(c.scheduler.state_dict()) for c in scheds]))
+
+    def round_ends_of_clients(self) -> dict[int, RoundEnd | str | None]:
+        """What this rank's clients of each step count did with their optimizers' state this round (see
+        :func:`~dpfl_lightning.schedule.merge_end`); cleared for the next round. The run combines the ranks' and calls
+        :meth:`take_round_end` (see :mod:`dpfl_lightning.schedule`)."""
+        out, self._client_ends = self._client_ends, {}
+        return out
+
+    def take_round_end(self, steps: int, round_idx: int, end: RoundEnd) -> bool:
+        """Continue clients of ``steps`` steps per round from ``end`` after ``round_idx``; ``False`` when
+        its optimizers do not have the structure of the cursor's (nothing is taken)."""
+        if not self.cursor(steps, round_idx).fits(end.groups, len(end.scheds)):
+            return False
+        self.round_ends[(steps, round_idx)] = end
+        self._carried.add(steps)
+        return True
+
+    def schedule_state(self) -> list[dict[str, Any]]:
+        """The round ends taken so far, in plain types (for the run's checkpoint)."""
+        return [dict(end.as_dict(), steps=s, round=r) for (s, r), end in sorted(self.round_ends.items())]
+
+    def load_schedule_state(self, state: list[dict[str, Any]]) -> None:
+        self.round_ends = {(d["steps"], d["round"]): RoundEnd(d["step"], d["groups"], d["scheds"]) for d in state}
+        self._carried = {s for s, _ in self.round_ends}
+        self._cursors = {}
+
+    def _note(self, kind: str) -> None:
+        self.notes.add(kind)
 
     # ------------------------------------------------------------------ local training
     def _transfer(self, batch: Batch, dataloader_idx: int = 0) -> Batch:
@@ -897,7 +941,7 @@ class FederatedLightningModule:
         steps_per_round = optimizer_steps_per_round(total, per_epoch, k) if automatic else total
         self.set_client_shape(round_idx, steps_per_round, total)
         shim.should_stop = False
-        opts, scheds = self.make_optimizers(steps_per_round, round_idx)
+        opts, scheds, expected = self.make_optimizers(steps_per_round, round_idx)
         if wrap_optimizer is not None:
             opts = [wrap_optimizer(o) for o in opts]
         lr = float(opts[0].param_groups[0]["lr"]) * lr_factor
@@ -947,7 +991,7 @@ class FederatedLightningModule:
                             m.optimizer_step(round_idx, batch_idx, shim.strategy._lightning_optimizers[0], closure)
                         else:
                             self._optimizer_step(opts[0], closure)
-                        shim.global_step += 1
+                        shim.global_step += 1  # (Lightning counts the step once optimizer_step returns)
                         if step_scheds:
                             g = shim.global_step
                             for cfg in step_scheds:
@@ -971,6 +1015,7 @@ class FederatedLightningModule:
                     break
             logged.step_level = False
             m.on_train_epoch_end()
+            self._record_end(steps_per_round, opts, scheds, expected)
         finally:
             for h in handles:
                 h.remove()
@@ -1007,6 +1052,8 @@ class FederatedLightningModule:
         setattr(shim, flag, True)
         context = self._forward_context
         try:
+            if stage == "validation":  # as lightning.Trainer releases the gradients before validating in fit
+                m.on_validation_model_zero_grad()
             if is_overridden(m, f"on_{stage}_model_eval"):
                 getattr(m, f"on_{stage}_model_eval")()
             else:

@@ -655,7 +655,7 @@ class FederatedTrainer:
         done = int(self.history[-1].get("round", len(self.history))) if self.history else 0
         epoch = done if epoch is None else epoch
         if global_step is None:
-            global_step = done * module.loop.steps_reference
+            global_step = module.start_step(module.loop.steps_reference, done)
         module.load_global()
         if self.is_global_zero:
             datamodule = getattr(self.data, "datamodule", None)

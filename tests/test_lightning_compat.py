@@ -161,6 +161,86 @@ def test_reduce_on_plateau_needs_a_monitor(log_dir):
         quiet_trainer(log_dir, rounds=1).fit(NoMonitor(), tiny_data())
 
 
+class WarmUp(LrSpy):
+    """Lightning's documented warm-up: the learning rate set in optimizer_step, keyed on global_step."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        for pg in optimizer.param_groups:
+            pg["lr"] = min(1.0, (self.trainer.global_step + 1) / 10) * self.lr
+
+
+def _warm_lr(g, lr=0.1, w=10):
+    """The warm-up's learning rate at step ``g`` of one lightning.Trainer run."""
+    return lr if g == 0 else min(1.0, g / w) * lr
+
+
+def test_learning_rates_the_module_sets_carry_across_rounds_like_one_lightning_run(log_dir):
+    S = 3
+    model = WarmUp()
+    trainer = quiet_trainer(log_dir, rounds=4, clients_per_round=2, local_steps=S)  # partial participation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing differs from lightning.Trainer here
+        trainer.fit(model, tiny_data(num_clients=5))
+    assert len(model.seen) == 4 * 2 * S
+    for r, g, lr in model.seen:  # every client of round r starts at r * S, where the warm-up stands
+        assert r * S <= g < (r + 1) * S
+        assert lr == pytest.approx(_warm_lr(g), rel=1e-12), (r, g)
+    assert [lr for r, g, lr in model.seen if g == S] == [pytest.approx(_warm_lr(S))] * 2  # not the base rate
+
+
+def test_a_dp_run_keeps_what_a_client_decides_and_says_so(log_dir):
+    S = 3
+    model = WarmUp()
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2, local_steps=S, plugins=DP_FEDAVG())
+    with pytest.warns(RuntimeWarning, match="lightning.Trainer would differ: .*in a DP run what a client's training "
+                                            "decides stays with the client"):
+        trainer.fit(model, tiny_data(num_clients=5))
+    assert [lr for r, g, lr in model.seen if g % S == 0] == [0.1] * 6  # every round starts on the schedule
+
+
+class LrFromData(LrSpy):
+    """Sets its learning rate from the data: clients end their rounds in different states."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        for pg in self.trainer.optimizers[0].param_groups:
+            pg["lr"] = float(batch[0].abs().mean()) / 10
+
+
+def test_clients_that_end_in_different_states_start_the_next_round_on_the_schedule(log_dir):
+    model = LrFromData()
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=3, local_steps=2)
+    with pytest.warns(RuntimeWarning, match="ended their local training in different optimizer states"):
+        trainer.fit(model, tiny_data(num_clients=5))
+    assert [lr for r, g, lr in model.seen if g % 2 == 0] == [0.1] * 9
+
+
+def test_global_step_counts_every_optimizer_step_of_manual_optimization_across_rounds(log_dir):
+    starts = []
+
+    class Counts(GanLike):  # two optimizers, each stepped once per batch
+        def on_train_batch_start(self, batch, batch_idx):
+            if batch_idx == 0:
+                starts.append((self.current_epoch, self.global_step))
+
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2, local_steps=2)
+    trainer.fit(Counts(), tiny_data())
+    assert starts == [(r, r * 2 * 2) for r in range(3) for _ in range(2)]  # 2 optimizer steps per batch
+
+
+def test_a_resumed_run_continues_what_the_clients_carried(log_dir, tmp_path):
+    full = quiet_trainer(log_dir, rounds=4, clients_per_round=2, local_steps=3)
+    whole = full.fit(WarmUp(), tiny_data(num_clients=5)).global_params.clone()
+    first = quiet_trainer(log_dir, rounds=2, clients_per_round=2, local_steps=3, checkpoint_every=2,
+                          checkpoint_dir=str(tmp_path))
+    first.fit(WarmUp(), tiny_data(num_clients=5))
+    model = WarmUp()
+    rest = quiet_trainer(log_dir, rounds=4, clients_per_round=2, local_steps=3)
+    resumed = rest.fit(model, tiny_data(num_clients=5), ckpt_path=str(tmp_path / "last.ckpt")).global_params
+    assert model.seen[0][1:] == (6, pytest.approx(_warm_lr(6)))  # round 3 starts where round 2 ended
+    assert torch.equal(resumed, whole)
+
+
 # ---------------------------------------------------------------------------------------- the Trainer API
 def test_trainer_api_inside_the_module(log_dir):
     seen = {}

@@ -224,3 +224,16 @@ def test_a_batchnorm_switched_to_train_mode_during_training_is_refused_by_name(l
     with pytest.raises(ConfigError, match=r"model='bn': was switched to train mode during training: BatchNorm running"):
         trainer.fit(SwitchesBatchNormToTrainMode(), tiny_data())
     assert len(trainer.history) == 1
+
+
+def test_trainable_mask_marks_the_entries_of_trainable_parameters():
+    model = TinyClassifier()
+    model.net[0].requires_grad_(False)
+    fm = FederatedLightningModule(model)
+    fm.setup(torch.device("cpu"))  # the flat layout
+    sizes = [p.numel() for p in model.parameters()]  # net.0 weight and bias, net.2 weight and bias
+    expected = torch.cat([torch.full((n,), i >= 2) for i, n in enumerate(sizes)])
+    assert torch.equal(fm.trainable_mask(), expected)
+    model.net[0].weight.requires_grad_(True)  # read again after a change
+    assert torch.equal(fm.trainable_mask(), torch.cat([torch.full((n,), i != 1) for i, n in enumerate(sizes)]))
+    fm.teardown()

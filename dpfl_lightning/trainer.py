@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import sys
 import time
 import warnings
 from typing import Any
@@ -39,7 +40,7 @@ from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, make_communicator
 from dpfl_lightning.contexts import ClientContext, ServerContext
 from dpfl_lightning.data.module import FederatedDataModule
-from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
+from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, drain_output, report_failure, require
 from dpfl_lightning.export import save_lightning_checkpoint
 from dpfl_lightning.executor import EXECUTORS, Executor, RoundWork
 from dpfl_lightning.logged_metrics import merge
@@ -50,6 +51,8 @@ from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
 from dpfl_lightning.payload import Aggregate
 from dpfl_lightning.plan import RoundPlan
 from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, resume_hint
+from dpfl_lightning.reproducibility import python_config, warn_if_unseeded
 from dpfl_lightning.run_setup import RunSetup, build_run, collect_mechanisms
 from dpfl_lightning.settings import check_trainer_settings
 
@@ -251,8 +254,10 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ fit
     def fit(self, module: Any, data: FederatedDataModule, ckpt_path: str | None = None) -> FederatedLightningModule:
-        """Train for ``rounds`` rounds (continuing from ``ckpt_path`` if given); returns the module,
-        whose wrapped LightningModule then holds the final global model."""
+        """Train for ``rounds`` rounds (continuing from ``ckpt_path`` if given; ``"last"``: the run's
+        newest checkpoint, if there is one); returns the module, whose wrapped LightningModule then
+        holds the final global model. On ``SIGTERM``, ``SIGUSR1`` or Ctrl-C the run stops after the
+        round with a checkpoint and raises :class:`~dpfl_lightning.preemption.Preempted`."""
         if not isinstance(module, FederatedLightningModule):
             if not is_lightning_module(module):
                 raise ConfigError("module", type(module).__name__, "is not a LightningModule",
@@ -260,14 +265,22 @@ class FederatedTrainer:
             module = FederatedLightningModule(module)
         require(isinstance(data, FederatedDataModule), "data", type(data).__name__, "is not a FederatedDataModule",
                 "wrap it: FederatedDataModule.from_datamodule(dm, num_clients=...)")
-        state = ckpt.load(ckpt_path) if ckpt_path else None
         if self.comm is None:
             self.comm = make_communicator(self.communicator_kind, "cuda" if self._wants_cuda() else "cpu")
+        ckpt_path = self._checkpoint_to_resume(ckpt_path)
+        state = ckpt.load(ckpt_path) if ckpt_path else None
+        if state is None and self.is_global_zero:
+            warn_if_unseeded(self.seed)  # the user built the model: its weights are not ours to reset
         self._lightning_run = lightning_run = LightningRun(self, module, data)
         try:  # teardown, also after a failed set-up or round: the user's module is left clean
-            self._fit(module, data, state, lightning_run)
+            with SignalWatch(announce=self.is_global_zero) as self._signals:
+                self._fit(module, data, state, lightning_run)
         except BaseException as exc:
+            if self.world_size > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                report_failure(exc, self.rank, self.world_size)  # out before any rank aborts the job
             lightning_run.teardown(exc)
+            if isinstance(exc, Preempted):
+                finalize_mpi_at_exit()
             raise
         lightning_run.teardown(None)
         return module
@@ -322,9 +335,14 @@ class FederatedTrainer:
                     lg.log_metrics(row, step=r + 1)
                     lg.save()
                 progress.update(row)
-                if self.checkpoint_every and ((r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds
-                                              or self.should_stop):  # an early stop keeps its last round
+                saved = bool(self.checkpoint_every) and ((r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds
+                                                         or self.should_stop)  # an early stop keeps its last round
+                if saved:
                     self.save_checkpoint(os.path.join(self.checkpoint_dir, f"round-{r + 1:06d}.ckpt"), r + 1)
+                if r + 1 < self.rounds and not self.should_stop:
+                    signum = self._signals.agreed(self.comm, run.device)  # the ranks agree (one may have it)
+                    if signum:
+                        self._preempt(signum, r + 1, loggers, saved)
             lightning_run.train_end()
         finally:
             if freeze:
@@ -582,16 +600,7 @@ class FederatedTrainer:
 
     def _python_config(self) -> dict[str, Any]:
         """The run's configuration when it was built in Python (the CLI passes its resolved YAML)."""
-        def simple(obj: Any) -> dict[str, Any]:
-            return {k: v for k, v in vars(obj).items()
-                    if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None), list, tuple))}
-
-        inner = self.module.inner
-        hp = dict(getattr(inner, "hparams", {}) or {})
-        return {"trainer": self.hparams,
-                "model": {"class_path": f"{type(inner).__module__}.{type(inner).__qualname__}", "init_args": hp},
-                "data": {"class_path": f"{type(self.data).__module__}.{type(self.data).__qualname__}",
-                         "init_args": simple(self.data)}}
+        return python_config(self.hparams, self.module.inner, self.data)
 
     def _summary(self, seconds: float, start: int) -> dict[str, Any]:
         rows = summary_rows(self.history, extra={"num_clients": self.data.num_clients, "ranks": self.world_size})
@@ -644,6 +653,32 @@ class FederatedTrainer:
             os.link(path, tmp)
             os.replace(tmp, last)
         self.comm.barrier()
+
+    def _preempt(self, signum: int, rounds_done: int, loggers: list[Any], saved: bool) -> None:
+        """Stop on a signal after ``rounds_done`` rounds: a checkpoint (unless this round wrote one),
+        the resume command on rank 0, out before any rank exits; then :class:`Preempted`."""
+        if not saved:
+            self.save_checkpoint(os.path.join(self.checkpoint_dir, f"round-{rounds_done:06d}.ckpt"), rounds_done)
+        last = os.path.join(self.checkpoint_dir, "last.ckpt")
+        for lg in loggers:
+            lg.finalize("preempted")
+        if self.is_global_zero:
+            for line in resume_hint(last, rounds_done, signum, self.world_size):
+                print(line, file=sys.stderr, flush=True)
+            drain_output()
+        self.comm.barrier()
+        raise Preempted(signum, last, rounds_done)
+
+    def _checkpoint_to_resume(self, ckpt_path: str | None) -> str | None:
+        """``"last"``: the run's ``last.ckpt`` if it exists (a first start has none), as in Lightning."""
+        if ckpt_path != "last":
+            return ckpt_path
+        last = os.path.join(self.checkpoint_dir, "last.ckpt")
+        if os.path.isfile(last):
+            return last
+        if self.enable_summary and self.is_global_zero:
+            print(f"resume: no checkpoint at {last} yet; starting from round 0", file=sys.stderr, flush=True)
+        return None
 
     def save_lightning_checkpoint(self, path: str, epoch: int | None = None, global_step: int | None = None) -> str:
         """Write the global model as a Lightning checkpoint that ``MyModule.load_from_checkpoint(path)``

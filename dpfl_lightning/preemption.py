@@ -1,0 +1,159 @@
+"""Preemption: a signal asks the run to stop at the end of the round, with a checkpoint.
+
+Schedulers announce the end of a job with a signal: Slurm sends ``SIGTERM`` when it preempts or
+cancels a job (and ``SIGKILL`` after its grace time), and ``--signal=USR1@120`` sends ``SIGUSR1``
+120 s before the time limit; a person presses Ctrl-C (``SIGINT``). While ``fit`` runs,
+:class:`SignalWatch` only records such a signal. At the end of every round the ranks agree on it
+(a signal may reach one rank only: the flag is all-reduced), and then every rank stops together:
+the round that was running finishes, a checkpoint is written atomically (whatever
+``checkpoint_every`` says), rank 0 prints the exact command that continues the run, and ``fit``
+raises :class:`Preempted`, a ``SystemExit`` with status ``128 + signal number`` (143 for
+``SIGTERM``, 138 for ``SIGUSR1``, 130 for Ctrl-C): the status a process killed by that signal
+reports, which job scripts and schedulers read as "terminated by the signal". A resumed run
+reaches the same model as one that was never interrupted.
+
+A second Ctrl-C stops at once (``KeyboardInterrupt``). A round is never cut short: give Slurm's
+``--signal`` more lead time than a round and a checkpoint write take.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shlex
+import shutil
+import signal
+import sys
+import threading
+from typing import Any
+
+import torch
+
+#: the signals that ask a run to stop after the round: the scheduler's, Slurm's ``--signal``, Ctrl-C
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class Preempted(SystemExit):
+    """``fit`` stopped on a signal after writing a checkpoint; the exit status is
+    ``128 + signal number``. ``checkpoint`` is the file to resume from, ``rounds_done`` its round."""
+
+    def __init__(self, signum: int, checkpoint: str, rounds_done: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.checkpoint = checkpoint
+        self.rounds_done = rounds_done
+
+    def __str__(self) -> str:
+        return (f"stopped by {signal.Signals(self.signum).name} after round {self.rounds_done}; "
+                f"checkpoint {self.checkpoint}")
+
+
+class SignalWatch:
+    """Records the first of :data:`SIGNALS` that arrives while installed (``with SignalWatch():``).
+
+    The handlers only set a flag (and write one line for Ctrl-C); the previous handlers come back
+    on exit. Outside the main thread nothing is installed (Python delivers signals there only)."""
+
+    def __init__(self, announce: bool = True) -> None:
+        self.received = 0
+        self.announce = announce
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalWatch:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if not self.received:
+            self.received = signum
+            if self.announce and signum == signal.SIGINT:  # a raw write: safe inside a handler
+                os.write(2, b"\ninterrupt: the run stops after this round, with a checkpoint "
+                            b"(Ctrl-C again to stop at once)\n")
+
+    def agreed(self, comm: Any, device: torch.device) -> int:
+        """The signal any rank received (0: none); every rank calls this at the same point."""
+        if comm is None or comm.size == 1:
+            return self.received
+        flag = torch.tensor([float(self.received)], dtype=torch.float64, device=device)
+        return int(comm.allreduce_max_(flag).item())
+
+
+def _python() -> str:
+    """``python`` when that is this interpreter on the PATH, else the interpreter's full path."""
+    found = shutil.which("python")
+    same = found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
+    return "python" if same else sys.executable
+
+
+def _without_resume(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            out.append(arg)
+    return out
+
+
+def resume_command(checkpoint: str, argv: list[str] | None = None, world_size: int = 1) -> str | None:
+    """The command line that continues this run from ``checkpoint``: the ``dpfl`` command it was
+    started with (under ``mpiexec -n P`` for ``P`` ranks), its ``--resume`` replaced; ``None``
+    when the run was not started by the ``dpfl`` command (a Python script)."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return None
+    main = argv[0].replace(os.sep, "/")
+    if world_size > 1 and (os.path.basename(main) == "dpfl" or main.endswith("dpfl_lightning/__main__.py")):
+        head = ["mpiexec", "-n", str(world_size), _python(), "-m", "mpi4py", "-m", "dpfl_lightning"]
+    elif os.path.basename(main) == "dpfl":
+        head = ["dpfl"]
+    elif main.endswith("dpfl_lightning/__main__.py"):
+        head = [_python(), "-m", "dpfl_lightning"]
+    else:
+        return None
+    return shlex.join(head + _without_resume(argv[1:]) + ["--resume", checkpoint])
+
+
+def resume_hint(checkpoint: str, rounds_done: int, signum: int, world_size: int) -> list[str]:
+    """What rank 0 prints when a run stops on a signal."""
+    lines = [f"preempted: {signal.Signals(signum).name} received; stopped after round {rounds_done}, "
+             f"checkpoint written to {checkpoint}"]
+    command = resume_command(checkpoint, world_size=world_size)
+    if command is not None:
+        lines.append(f"resume with: {command}")
+    else:
+        lines.append(f"resume with: trainer.fit(module, data, ckpt_path={checkpoint!r}) "
+                     "(or ckpt_path='last': the newest checkpoint of the run, if there is one)")
+    return lines
+
+
+def finalize_mpi_at_exit() -> None:
+    """Have MPI finalized when the process exits after a run stopped on a signal: the ``SystemExit``
+    then ends every rank with its status, where ``python -m mpi4py`` would turn a non-zero exit into
+    an ``MPI_Abort`` of the job (with a message that reads like a crash, racing the ranks' output).
+    Registered after mpi4py's own exit handler, it runs before it; a process that goes on (a caller
+    that caught the exit) keeps MPI until then."""
+    global _finalize_registered
+    if not _finalize_registered and "mpi4py.MPI" in sys.modules:
+        _finalize_registered = True
+        atexit.register(_finalize_mpi)
+
+
+_finalize_registered = False
+
+
+def _finalize_mpi() -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()

@@ -92,6 +92,7 @@ def _canary_run(log_dir, z=1.0, canaries=20, plugins=None, **kw):
     c = CanaryClients(canaries=canaries)
     kw.setdefault("algorithm", DPFedAvg(clip=1.0, noise_multiplier=z))
     t = quiet_trainer(log_dir, rounds=3, plugins=[*(plugins or []), c], seed=0, **kw)
+    torch.manual_seed(0)  # the same initial model in every run
     t.fit(MLPClassifier(in_features=64, hidden=[64], num_classes=10, lr=0.5), tiny_data(num_clients=40, dim=64))
     return t, c
 
@@ -142,7 +143,7 @@ def test_canaries_are_keyed_by_the_seed_and_give_the_same_audit_in_both_executor
         assert torch.allclose(a.scores[name], b.scores[name], atol=1e-5)
     other = CanaryClients(canaries=20)
     quiet_trainer(log_dir, rounds=1, plugins=[other], seed=1, algorithm=DPFedAvg(clip=1.0, noise_multiplier=1.0)).fit(
-        TinyClassifier(), tiny_data(num_clients=40))
+        TinyClassifier(seed=1), tiny_data(num_clients=40))
     assert other.slots != a.slots
 
 
@@ -152,7 +153,7 @@ def test_a_resumed_canary_run_scores_as_the_uninterrupted_one(log_dir, tmp_path)
         t = quiet_trainer(str(tmp_path / ("a" if ckpt is None else "b")), rounds=rounds, clients_per_round=8, seed=2,
                           algorithm=DPFedAvg(clip=1.0, noise_multiplier=0.5), plugins=[c], checkpoint_every=every,
                           checkpoint_dir=str(tmp_path / "ckpt"))
-        t.fit(TinyClassifier(), tiny_data(num_clients=20), ckpt_path=ckpt)
+        t.fit(TinyClassifier(seed=2), tiny_data(num_clients=20), ckpt_path=ckpt)
         return t, c
 
     full, c_full = fit(4, every=2)

@@ -49,7 +49,8 @@ _HINTS = {
     "WeightAveraging": "it averages one optimizer's trajectory across steps; clients start fresh optimizers every "
                        "round (average rounds with a ServerOptimizer or after training)",
     "BaseFinetuning": "it adds param groups to the Trainer's optimizer during training; clients build fresh optimizers "
-                      "every round: freeze or unfreeze layers by self.current_epoch (the round) in configure_optimizers",
+                      "every round: unfreeze layers by self.current_epoch (the round) in on_train_epoch_start, with "
+                      "an optimizer over all parameters (a frozen one has no gradient to step)",
     "Timer": "the run logs round_time_s; bound the run with rounds",
     "ModelSummary": "the federated trainer prints its own summary (enable_summary)",
     "BatchSizeFinder": "set the clients' batch size with FederatedTrainer(batch_size=...)",

@@ -12,21 +12,46 @@ A module runs unchanged, or is refused at set-up with one line naming the settin
   batches) is its part of that epoch: ``on_train_epoch_start`` / ``on_train_epoch_end`` run once per
   client per round, around all of its local epochs, so state a module keeps for an epoch (the LSTM
   demo's hidden state, outputs collected for an epoch-end metric) never passes from one client to
-  the next. ``self.trainer.num_training_batches`` is the client's batches this round.
+  the next. A client's ``on_train_epoch_end`` therefore runs when its local training ends, before the
+  round's evaluation of the aggregated model (lightning.Trainer validates before
+  ``on_train_epoch_end``; the one difference in the order of hooks).
+  ``self.trainer.num_training_batches`` is the client's batches this round.
 - ``S``, a client's optimizer steps per round: ``ceil(batches per local epoch / accumulate_grad_batches)``
   per local epoch (Lightning also steps on the last batch of an epoch), i.e. its batches per round
   without accumulation; in manual optimization ``S`` is its batches per round.
 - ``self.global_step`` counts the client's optimizer steps as if it had taken part in every round:
-  it is ``round * S`` when the client starts and grows by one per local optimizer step (manual
-  optimization: per ``optimizer.step()``, of any optimizer).
+  it grows by one per local optimizer step (manual optimization: per ``optimizer.step()``, of any
+  optimizer) and starts a round where the previous round's clients ended it (see below): ``round *
+  S`` unless the module steps several optimizers per batch or ends an epoch early
+  (``on_train_batch_start`` returning ``-1``).
 - ``self.trainer.estimated_stepping_batches`` is ``rounds * S``: the steps one client takes over the
   run (so ``OneCycleLR(total_steps=self.trainer.estimated_stepping_batches)`` ends with the run).
   Under ``local_epochs``, clients of different sizes have different ``S``.
 
-**Learning-rate schedulers.** ``configure_optimizers`` runs for every client in every round (fresh
-optimizers: no optimizer state outlives a client's round). Its schedulers are then placed where a
-single Lightning run whose every epoch had ``S`` optimizer steps would have them at the start of
-round ``r``, exactly (the scheduler objects are stepped on a copy, with no data):
+**What a client's optimizers carry across rounds** (:mod:`dpfl_lightning.schedule`).
+``configure_optimizers`` runs for every client in every round: fresh optimizers, so moment buffers
+(momentum, Adam's averages) restart every round, as in FedAvg; a module whose optimizer keeps such
+state trains differently from one lightning.Trainer run. Everything else an optimizer carries from
+one epoch to the next is keyed by the schedule's position, the same for every client of a round: a
+client of ``S`` steps per round starts round ``r`` with the ``global_step``, param-group settings
+(learning rate, momentum, ...) and scheduler states of one Lightning run whose every epoch had ``S``
+steps, at the start of epoch ``r``. Not per client: a client sitting out rounds would come back with
+a stale learning rate while ``global_step`` moved on, and a million clients would each keep a copy.
+The position moves over a round in one of two ways:
+
+- the round's clients of ``S`` steps all ended it in the same state, and that state is not what the
+  schedule alone gives: the module changed it (Lightning's warm-up that sets ``pg["lr"]`` in
+  ``optimizer_step``, schedulers it steps itself in manual optimization, several optimizer steps per
+  batch, an epoch ended early); the next round's clients continue from it. The ranks agree on it
+  (one all-gather of this summary per round); resumed runs continue it (it is in the checkpoint).
+- otherwise, the schedule alone (below). Where that is not what lightning.Trainer would have, the
+  run says so once with a ``RuntimeWarning``: clients of a round that ended in different states
+  (a learning rate set from the data), no client of ``S`` steps in a round after the module moved
+  their state, ``configure_optimizers`` returning another structure, and any such change in a DP
+  run, where what a client's training decides stays with the client.
+
+The schedule alone places the schedulers exactly where that Lightning run would have them (the
+scheduler objects are stepped on a copy, with no data):
 
 - ``interval="epoch"`` (``frequency=f``): stepped ``floor(r / f)`` times -- once per round, for every
   client alike; it never steps inside a client.
@@ -38,16 +63,18 @@ round ``r``, exactly (the scheduler objects are stepped on a copy, with no data)
   metric because nothing was evaluated (``eval_every``) does not step it; a metric missing from a
   round that evaluated -- e.g. a training loss a DP run withholds -- stops the run with the reason
   (``strict=False``: a warning, and the step is skipped).
-- The module's ``lr_scheduler_step`` override is used for every step, with ``self.current_epoch``
-  and ``self.global_step`` set to the position being stepped.
+- The module's ``lr_scheduler_step`` override is used for every step of automatic optimization,
+  with ``self.current_epoch`` and ``self.global_step`` set to the position being stepped (never in
+  manual optimization, as under Lightning).
 - ``client_lr_decay`` multiplies the learning rate of every local step (scheduled lr x decay**round);
   ``param_groups`` show the scheduled lr.
-- In manual optimization the module steps its schedulers itself; those steps last for that
-  client's round only. Each client starts where the scheduler's declared ``interval`` places it
-  (as above, with ``S`` = batches per round).
+- In manual optimization the module steps its schedulers itself; the next round continues from
+  those steps when the round's clients agree on them (above). Otherwise each client starts where the
+  scheduler's declared ``interval`` places it (as above, with ``S`` = batches per round).
 
-Every rank computes these positions from the round and the released rows, so results do not
-depend on the number of ranks, and a resumed run continues the same sequence.
+Every rank computes these positions from the round, the released rows and the clients' agreed
+ends, so results do not depend on the number of ranks, and a resumed run continues the same
+sequence.
 
 **The Trainer API inside the module.** ``self.trainer`` is a stand-in for ``lightning.Trainer``:
 ``current_epoch``, ``global_step``, ``estimated_stepping_batches``, ``max_epochs``,
@@ -72,9 +99,14 @@ parameters are laid out (layers they create are trained and federated), ``config
 ``on_fit_end``; ``teardown("fit")`` always (the DataModule's too), also when set-up or training
 fails. Per client:
 ``on_train_epoch_start``, the per-batch hooks (see :mod:`dpfl_lightning.module`),
-``on_train_epoch_end``. Server evaluation: ``on_validation_model_eval``, ``on_validation_start``,
-``on_validation_epoch_start``, ``validation_step`` and its batch hooks, ``on_validation_epoch_end``,
-``on_validation_end``, ``on_validation_model_train``; the final test the same with ``test``.
+``on_train_epoch_end``. Server evaluation: ``on_validation_model_zero_grad``,
+``on_validation_model_eval``, ``on_validation_start``, ``on_validation_epoch_start``,
+``validation_step`` and its batch hooks, ``on_validation_epoch_end``, ``on_validation_end``,
+``on_validation_model_train``. ``fit`` runs no ``test_step``, as ``lightning.Trainer.fit``;
+``FederatedTrainer(test_after_fit=True)`` tests the final model on the test set (the ``test`` hooks
+as above) and adds its metrics to the last row. ``tests/test_lightning_oracle.py`` checks all of
+this against ``lightning.Trainer`` with one client holding all the data: weights, learning rates and
+``global_step`` at every step, and the order of hooks.
 After ``fit`` (and after a failed one) the module is an ordinary LightningModule again: its own
 parameter storage holding the final global model, no trainer attached, Lightning's ``self.log``;
 ``lightning.Trainer`` can fit and test it.
@@ -85,8 +117,9 @@ parameter storage holding the final global model, no trainer attached, Lightning
   every local optimizer step, after ``on_before_optimizer_step``, through the module's
   ``configure_gradient_clipping`` (default: ``self.clip_gradients``). It is not DP clipping (that is
   ``UpdateClipping`` on updates, or ``DPSGD`` per record), and it is refused with ``DPSGD``, which
-  clips every record's gradient and ignores the batch gradient. Refused with manual optimization,
-  as Lightning does (call ``self.clip_gradients`` in ``training_step``).
+  clips every record's gradient and ignores the batch gradient (a ``configure_gradient_clipping``
+  override runs under ``DPSGD``, and is refused at the step where it clips at a value). Refused with
+  manual optimization, as Lightning does (call ``self.clip_gradients`` in ``training_step``).
 - ``accumulate_grad_batches=k``: the optimizer steps every ``k`` batches and at the end of each local
   epoch (loss divided by ``k``), as Lightning does. Refused with manual optimization and with
   ``DPSGD`` (its accountant counts one noisy step per sampled batch: use a larger batch size).
@@ -118,7 +151,7 @@ DataModule has one, else on the test set; the final test on ``test_dataloader`` 
 set). The train loader's ``collate_fn`` builds the clients' batches; dict batches work; its
 ``batch_size`` and sampler are replaced by the trainer's ``batch_size`` and each client's own
 shuffling (DP-SGD: its accounted sampling), with a warning when they differ. An ``IterableDataset``
-training set is refused (it cannot be split by index). The DataModule's batch-transfer hooks take
+training set is refused (it cannot be split by index; Lightning's ``BoringDataModuleNoLen`` too). The DataModule's batch-transfer hooks take
 precedence over the module's, as in Lightning.
 
 **Differential privacy.** Callbacks, ``ReduceLROnPlateau`` and ``self.trainer.callback_metrics``
@@ -127,7 +160,18 @@ the DP-SGD optimizer; stepping it twice on one batch is refused) and with batche
 ``training_step`` returns ``None``: the step is still taken, with no gradient and the full noise, so
 every sampled batch is one noisy step as its accountant assumes (the decision to skip must not
 depend on the batch's records). ``DPSGD(fix_model=True)`` replaces the unsupported layers in the
-module you passed, in place, and says so with a warning.
+module you passed, in place, and says so with a warning; it refuses to replace
+``nn.MultiheadAttention`` (Opacus's replacement fails on the causal-mask hint of torch's Transformer
+layers and computes other outputs or per-record gradients depending on the layout): freeze such
+layers or use update-level DP. A layer frozen in ``__init__`` and unfrozen in a later round (in
+``on_train_epoch_start`` or ``configure_optimizers``, keyed on ``self.current_epoch``: gradual
+unfreezing) gets per-record gradients from then on; a layer Opacus cannot handle is refused at its
+first forward once unfrozen.
+
+**BatchNorm.** A BatchNorm with running statistics in eval mode (a pretrained one, frozen) runs, its
+statistics fixed, as under Lightning, which keeps each submodule's mode; one in train mode would
+compute them from each client's data without federating them: refused at set-up, or at the first
+forward after a hook switched it to train mode.
 
 **Executors.** The ``vmap`` executor runs none of the above beyond ``training_step`` and refuses a
 module or setting that needs them (schedulers, epoch hooks, gradient clipping, accumulation, mixed
@@ -138,7 +182,9 @@ vmap refuses).
 
 **Export.** ``FederatedTrainer.save_lightning_checkpoint(path)`` (and ``final_checkpoint=True``, which
 writes ``<checkpoint_dir>/final.ckpt`` after ``fit``) writes the global model as a Lightning checkpoint
-that ``MyModule.load_from_checkpoint(path)`` loads (see :mod:`dpfl_lightning.export`).
+that ``MyModule.load_from_checkpoint(path)`` loads (see :mod:`dpfl_lightning.export`). The run's own
+checkpoints (``round-*.ckpt``, ``last.ckpt``) load the same way; a DP run's with
+``weights_only=False`` (the privacy ledger's records are Python objects).
 """
 
 from __future__ import annotations

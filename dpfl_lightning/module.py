@@ -930,8 +930,9 @@ class FederatedLightningModule:
         ``lr_factor`` multiplies the learning rate of every step (client lr decay); ``wrap_optimizer``
         replaces each fresh local optimizer (e.g. by a DP-SGD optimizer). ``batches_per_round`` (the
         client's local batches this round) and ``batches_per_epoch`` place the client's schedule: its
-        step-interval schedulers and ``self.global_step`` continue from ``round_idx`` times its
-        optimizer steps per round (see :mod:`dpfl_lightning.lightning_compat`)."""
+        optimizers, schedulers and ``self.global_step`` start where the cursor of its optimizer steps
+        per round stands at ``round_idx`` (see :mod:`dpfl_lightning.schedule`), and where it ends them
+        is recorded for the round (:meth:`round_ends_of_clients`)."""
         m = self.inner
         shim = self._shim
         automatic = self._automatic
@@ -939,32 +940,19 @@ class FederatedLightningModule:
         total = batches_per_round or 0
         per_epoch = batches_per_epoch or total
         steps_per_round = optimizer_steps_per_round(total, per_epoch, k) if automatic else total
-        self.set_client_shape(round_idx, steps_per_round, total)
-        shim.should_stop = False
-        opts, scheds, expected = self.make_optimizers(steps_per_round, round_idx)
-        if wrap_optimizer is not None:
-            opts = [wrap_optimizer(o) for o in opts]
+        opts, scheds, expected = self._open_client(round_idx, steps_per_round, total, lr_factor,
+                                                   before_optimizer_step, wrap_optimizer)
         lr = float(opts[0].param_groups[0]["lr"]) * lr_factor
         step_scheds = [c for c in scheds if c.interval == "step" and not c.reduce_on_plateau] if automatic else []
-        shim.optimizers = opts
-        shim.lr_scheduler_configs = scheds
-        shim.strategy.reset_optimizers()
-        self._before_step = before_optimizer_step
-        self._lr_factor = lr_factor
-        handles = []
-        if not automatic:
-            for o in opts:
-                if hasattr(o, "_optimizer_step_pre_hooks"):
-                    handles.append(o.register_step_pre_hook(self._manual_pre_hook(o)))
+        handles = [] if automatic else [o.register_step_pre_hook(self._manual_pre_hook(o)) for o in opts
+                                        if hasattr(o, "_optimizer_step_pre_hooks")]
         steps = samples = 0
         transfer = self._transfer_hooks or self.device.type != "cpu"
         logged = self.logged
         ov = self._overridden
-        custom_sched = ov["lr_scheduler_step"]
         closure = _Closure(self, opts[0], k) if automatic else None
         context = self._forward_context
         mixed = self._autocast is not None
-        shim.training = True
         # The submodules keep the train/eval modes the user gave them, as under lightning.Trainer
         # (>= 2.2), which does not call train() on the module before training (a frozen BatchNorm stays
         # frozen); evaluation restores every submodule's mode afterwards.
@@ -987,16 +975,7 @@ class FederatedLightningModule:
                         closure.zero = batch_idx % k == 0
                         ends = (batch_idx + 1) % k == 0 or batch_idx + 1 == per_epoch or steps + 1 == total
                     if ends:
-                        if ov["optimizer_step"]:
-                            m.optimizer_step(round_idx, batch_idx, shim.strategy._lightning_optimizers[0], closure)
-                        else:
-                            self._optimizer_step(opts[0], closure)
-                        shim.global_step += 1  # (Lightning counts the step once optimizer_step returns)
-                        if step_scheds:
-                            g = shim.global_step
-                            for cfg in step_scheds:
-                                if g % cfg.frequency == 0:
-                                    _step_scheduler(m, cfg, None, custom_sched)
+                        self._automatic_step(opts[0], closure, round_idx, batch_idx, step_scheds)
                     else:
                         closure()
                     out = closure.output
@@ -1017,17 +996,58 @@ class FederatedLightningModule:
             m.on_train_epoch_end()
             self._record_end(steps_per_round, opts, scheds, expected)
         finally:
-            for h in handles:
-                h.remove()
-            logged.step_level = False
-            shim.training = False
-            shim.is_last_batch = False
-            shim.optimizers = []
-            shim.lr_scheduler_configs = []
-            shim.strategy.reset_optimizers()
-            self._before_step = None
-            self._lr_factor = 1.0
+            self._close_client(handles)
         return ClientRun(steps=steps, samples=samples, lr=lr)
+
+    def _open_client(self, round_idx: int, steps: int, batches: int, lr_factor: float,
+                     before_optimizer_step: StepHook | None,
+                     wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None,
+                     ) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig], RoundEnd]:
+        """A client's start: ``self.trainer`` placed, its optimizers built (and wrapped by the plugins)."""
+        shim = self._shim
+        self.set_client_shape(round_idx, steps, batches)
+        shim.should_stop = False
+        opts, scheds, expected = self.make_optimizers(steps, round_idx)
+        if wrap_optimizer is not None:
+            opts = [wrap_optimizer(o) for o in opts]
+        shim.optimizers = opts
+        shim.lr_scheduler_configs = scheds
+        shim.strategy.reset_optimizers()
+        self._before_step = before_optimizer_step
+        self._lr_factor = lr_factor
+        shim.training = True
+        return opts, scheds, expected
+
+    def _automatic_step(self, opt: torch.optim.Optimizer, closure: _Closure, round_idx: int, batch_idx: int,
+                        step_scheds: list[LRSchedulerConfig]) -> None:
+        """One optimizer step of automatic optimization (through the module's ``optimizer_step`` when it
+        overrides it), then ``global_step`` and the step-interval schedulers."""
+        m, shim = self.inner, self._shim
+        if self._overridden["optimizer_step"]:
+            m.optimizer_step(round_idx, batch_idx, shim.strategy._lightning_optimizers[0], closure)
+        else:
+            self._optimizer_step(opt, closure)
+        shim.global_step += 1  # (Lightning counts the step once optimizer_step returns)
+        if step_scheds:
+            g = shim.global_step
+            custom = self._overridden["lr_scheduler_step"]
+            for cfg in step_scheds:
+                if g % cfg.frequency == 0:
+                    _step_scheduler(m, cfg, None, custom)
+
+    def _close_client(self, handles: list[Any]) -> None:
+        """What a client's training leaves behind is cleared, also after a failure."""
+        shim = self._shim
+        for h in handles:
+            h.remove()
+        self.logged.step_level = False
+        shim.training = False
+        shim.is_last_batch = False
+        shim.optimizers = []
+        shim.lr_scheduler_configs = []
+        shim.strategy.reset_optimizers()
+        self._before_step = None
+        self._lr_factor = 1.0
 
     def _modes(self) -> list[bool]:
         """Every submodule's train/eval mode (what Lightning's evaluation loop captures)."""

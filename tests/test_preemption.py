@@ -5,6 +5,8 @@ running the quickstart: tests/test_mpi.py.)"""
 
 import os
 import signal
+import subprocess
+import time
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
 from dpfl_lightning.preemption import Preempted, resume_command
 from helpers import TinyClassifier, quiet_trainer, tiny_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class SignalAt(FederatedCallback):
@@ -89,3 +93,54 @@ def test_the_resume_command_is_the_start_command_with_resume_set():
     two = resume_command(ck, module, world_size=2)
     assert two.startswith("mpiexec -n 2 ") and " -m mpi4py -m dpfl_lightning fit " in two
     assert resume_command(ck, ["train.py", "--lr", "0.1"]) is None  # a Python script: the hint names ckpt_path
+
+
+FAKE_MPIEXEC = """#!/usr/bin/env bash
+printf "%s\\n" "$@" > "$FAKE_DIR/mpiexec.args"
+trap 'exit 138' USR1
+trap 'exit 143' TERM
+touch "$FAKE_DIR/started"
+while :; do sleep 0.02; done
+"""
+
+
+def _slurm_job(tmp_path, restart_count, requeue="1"):
+    """launchers/slurm.sbatch under a fake allocation: mpiexec and scontrol are stand-ins that record
+    their arguments (mpiexec exits as a run stopped by the signal does)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("mpiexec", FAKE_MPIEXEC), ("scontrol", 'printf "%s\\n" "$@" > "$FAKE_DIR/scontrol.args"\n')):
+        (bin_dir / name).write_text(text if text.startswith("#!") else "#!/usr/bin/env bash\n" + text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path), "SLURM_NTASKS": "8",
+           "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": str(restart_count),
+           "DPFL_REQUEUE": requeue}
+    script = os.path.join(ROOT, "launchers", "slurm.sbatch")
+    return subprocess.Popen(["bash", script, "fit", "--config", "run.yaml"], env=env, cwd=tmp_path,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+def test_the_slurm_template_passes_the_signal_on_and_requeues(tmp_path, sig):
+    job = _slurm_job(tmp_path, restart_count=0)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    job.send_signal(sig)  # what --signal=B:USR1@120 (or a preemption) does to the batch script
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 128 + sig
+    assert (tmp_path / "mpiexec.args").read_text().split() == \
+        "-n 8 -ppn 4 python -m mpi4py -m dpfl_lightning fit --config run.yaml".split()
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    assert "requeueing job 4242" in err
+
+
+def test_a_requeued_slurm_job_resumes_from_the_last_checkpoint(tmp_path):
+    job = _slurm_job(tmp_path, restart_count=1, requeue="0")
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    job.send_signal(signal.SIGTERM)
+    job.communicate(timeout=30)
+    assert (tmp_path / "mpiexec.args").read_text().split()[-4:] == ["--config", "run.yaml", "--resume", "last"]
+    assert not (tmp_path / "scontrol.args").exists()  # DPFL_REQUEUE=0

@@ -155,8 +155,8 @@ class WandbLogger(_LightningWandbLogger):
         if not self._explicit_save_dir:
             self._wandb_init["dir"] = run_dir
             self._save_dir = run_dir
-        if self._wandb_init.get("name") is None and run_name:
-            self._wandb_init["name"] = run_name
+        if self._wandb_init.get("name") is None and run_name and not _in_wandb_sweep():
+            self._wandb_init["name"] = run_name  # (under wandb agent, W&B names the sweep's runs)
             self._name = run_name
         id_file = os.path.join(run_dir, WANDB_ID_FILE)
         run_id = self._wandb_init.get("id") if self._explicit_id else None

@@ -2,19 +2,27 @@
 
 Every ``metrics.csv`` below ``RUNS_DIR`` is a run (for a sweep's directory, the ones under its
 ``runs/``), with the ``hparams.yaml`` next to it. Runs are grouped by their configuration minus the
-seed (every ``seed`` key, and what only names or places a run: run name, log and checkpoint
-directories, loggers, threads, progress bar). Written to ``--out`` (default ``RUNS_DIR/report``):
+seeds (every ``seed`` key and ``seed_everything``, and what only names or places a run: run name,
+log and checkpoint directories, loggers, threads, progress bar). Only distinct seeds are averaged:
+of runs of a group with the same seeds (the same configuration run twice) the newest counts, and
+the table says which were left out. Written to ``--out`` (default ``RUNS_DIR/report``), each file
+named after what it plots:
 
-- ``<metric>_vs_round.png``: the metric over rounds, one line per run, one colour per group;
-- ``epsilon_vs_round.png``: the privacy ledger's epsilon over rounds;
-- ``<metric>_vs_epsilon.png``: the privacy-utility curve: each run's metric against its epsilon
-  as training goes on, and each group's final point (mean and standard deviation over seeds);
-- ``summary.md``: the final value of each metric and of every epsilon the ledger logged (the
-  last logged value), mean and standard deviation (sample, ``n - 1``) over the seeds of each
+- ``<metric>_vs_round.png``: the metric over rounds, one line per run, one colour per group. A
+  metric logged only once per run (``test_acc`` after the last round) is drawn over rounds from its
+  ``val_`` counterpart, in ``val_<name>_vs_round.png``;
+- ``<epsilon column>_vs_round.png``: every epsilon the privacy ledger logged (``epsilon``, the
+  run's main guarantee, and ``epsilon_<guarantee>`` for the others) over rounds;
+- ``<metric>_vs_<epsilon column>.png``: the privacy-utility curve: each run's metric against that
+  epsilon as training goes on, and each group's final point (mean and standard deviation over
+  seeds);
+- ``summary.md``: the final value of each metric and of every epsilon the ledger logged (the last
+  logged value), mean and standard deviation (sample, ``n - 1``) over the distinct seeds of each
   group, then one row per run.
 
-A metric logged only once per run (``test_acc`` after the last round) is drawn over rounds from its
-``val_`` counterpart when there is one; the table always uses the metric itself.
+Every epsilon axis and column says which guarantee it is: granularity, audience ("towards the
+server", "towards anyone who sees the models") and delta, from the privacy settings each run saved
+in its ``hparams.yaml``.
 """
 
 from __future__ import annotations
@@ -74,23 +82,56 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
-def _is_run_key(key: str) -> bool:
+def _is_seed_key(key: str) -> bool:
     parts = [p for p in key.split(".") if p != "init_args"]
-    if parts and parts[-1] == "seed":
-        return True
-    return any(key == k or key.startswith(k + ".") for k in _NOT_CONFIG)
+    return bool(parts) and parts[-1] in ("seed", "seed_everything")
+
+
+def _is_run_key(key: str) -> bool:
+    return _is_seed_key(key) or any(key == k or key.startswith(k + ".") for k in _NOT_CONFIG)
 
 
 @dataclass
 class Run:
-    """One run's log: its rows, its configuration (flattened), its seed and group key."""
+    """One run's log: its rows, its configuration (flattened), its seeds and group key.
+    ``repeat_of``: the label of the newer run of its group with the same seeds (then this run is
+    not averaged)."""
 
     label: str
     path: str
     rows: list[dict[str, float]]
     config: dict[str, Any]
-    seed: Any = None
+    seeds: dict[str, Any] = field(default_factory=dict)
     group: str = ""
+    repeat_of: str | None = None
+    shown_seeds: list[str] = field(default_factory=list)  # the seed keys that differ between runs
+
+    @property
+    def seed(self) -> str:
+        """The run's seeds for a table: those that differ between the runs reported (``trainer.seed``
+        when none does), one value when they agree (``0``), else ``key=value`` each."""
+        keys = self.shown_seeds or [k for k in ("trainer.seed",) if k in self.seeds] or sorted(self.seeds)[:1]
+        values = {json.dumps(self.seeds.get(k), default=str) for k in keys}
+        if len(values) <= 1:
+            return str(self.seeds.get(keys[0])) if keys else "None"
+        return ", ".join(f"{k.replace('.init_args', '')}={self.seeds.get(k)}" for k in keys)
+
+    def guarantee(self, column: str) -> str | None:
+        """Which guarantee the epsilon ``column`` is: granularity, audience and delta (from the
+        privacy settings in ``hparams.yaml``), e.g. ``client-level, towards the server, delta=1e-06``."""
+        info = f"privacy.epsilons.{column}."
+        towards, granularity = self.config.get(info + "towards"), self.config.get(info + "granularity")
+        delta = self.config.get(info + "delta", self.config.get("privacy.delta"))
+        if towards is None:  # runs logged before the epsilon columns were described: the statement's lines
+            lines = self.config.get("privacy.guarantees")
+            if column != "epsilon" or not isinstance(lines, list) or not lines:
+                return None
+            m = re.search(r"towards ([^;(]+)", lines[0])
+            towards = f"towards {m.group(1).strip()}" if m else None
+            granularity = "record" if lines[0].startswith("record") else "client"
+        parts = [f"{granularity}-level" if granularity else "", towards or "", f"delta={delta:g}"
+                 if isinstance(delta, (int, float)) else ""]
+        return ", ".join(p for p in parts if p) or None
 
     def series(self, metric: str) -> list[tuple[float, float]]:
         """``(round, value)`` of every round that logged ``metric``."""
@@ -111,6 +152,21 @@ class Group:
     key: str
     label: str
     runs: list[Run] = field(default_factory=list)
+
+    @property
+    def counted(self) -> list[Run]:
+        """The runs averaged: one per distinct set of seeds."""
+        return [r for r in self.runs if r.repeat_of is None]
+
+    def mark_repeats(self) -> None:
+        """Of runs with the same seeds, keep the newest (its ``metrics.csv`` last written)."""
+        newest: dict[str, Run] = {}
+        for run in sorted(self.runs, key=lambda r: os.path.getmtime(r.path), reverse=True):
+            key = json.dumps(run.seeds, sort_keys=True, default=str)
+            if key in newest:
+                run.repeat_of = newest[key].label
+            else:
+                newest[key] = run
 
 
 def find_runs(runs_dir: str) -> list[Run]:
@@ -140,8 +196,8 @@ def find_runs(runs_dir: str) -> list[Run]:
         rows = read_metrics(path)
         if not rows:
             continue
-        seed = config.get("trainer.seed")
-        runs.append(Run(label=label.replace(os.sep, "/"), path=path, rows=rows, config=config, seed=seed))
+        seeds = {k: v for k, v in config.items() if _is_seed_key(k)}
+        runs.append(Run(label=label.replace(os.sep, "/"), path=path, rows=rows, config=config, seeds=seeds))
     if not runs:
         raise ConfigError("report RUNS_DIR", runs_dir, "holds no metrics.csv with rows",
                           "point it at a log_dir of dpfl fit runs or a dpfl sweep directory")
@@ -167,8 +223,11 @@ def group_runs(runs: list[Run]) -> list[Group]:
     def defining(run: Run) -> dict[str, Any]:
         return {k: v for k, v in run.config.items() if not _is_run_key(k)}
 
+    seed_keys = sorted({k for r in runs for k in r.seeds})
+    varying_seeds = [k for k in seed_keys if len({json.dumps(r.seeds.get(k), default=str) for r in runs}) > 1]
     groups: dict[str, Group] = {}
     for run in runs:
+        run.shown_seeds = varying_seeds
         key = json.dumps(defining(run), sort_keys=True, default=str)
         run.group = key
         groups.setdefault(key, Group(key=key, label="")).runs.append(run)
@@ -181,6 +240,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
         parts = [f"{short[names[k]]}={_value_label(k, c[k])}" for k in varying if k in c]
         g.label = ", ".join(parts) if parts else (g.runs[0].label if len(groups) > 1 else "all runs")
         g.runs.sort(key=lambda r: _natural(f"{r.seed}/{r.label}"))
+        g.mark_repeats()
     return sorted(groups.values(), key=lambda g: _natural(g.label))
 
 
@@ -215,6 +275,32 @@ def select_metrics(runs: list[Run], requested: str | list[str] | None = None) ->
     return [k for k in logged if k not in _BOOKKEEPING and not k.startswith("epsilon")]
 
 
+def epsilon_columns(runs: list[Run], requested: str | list[str] | None = None) -> list[str]:
+    """The epsilon columns to report: ``requested`` (comma-separated or a list), else every one
+    logged (``epsilon`` first)."""
+    logged = sorted({k for r in runs for row in r.rows for k in row if k == "epsilon" or k.startswith("epsilon_")},
+                    key=lambda k: (k != "epsilon", k))
+    if not requested:
+        return logged
+    names = [m.strip() for m in (requested.split(",") if isinstance(requested, str) else requested) if m.strip()]
+    missing = [m for m in names if m not in logged]
+    if missing:
+        raise ConfigError("report --epsilon", ",".join(missing), "not logged by any run",
+                          f"use one of {', '.join(logged) or '(none: the runs have no privacy ledger)'}")
+    return names
+
+
+def guarantee_label(runs: list[Run], column: str) -> str:
+    """What the epsilon ``column`` of these runs is (see :meth:`Run.guarantee`); says so when the
+    runs' guarantees differ."""
+    labels = sorted({g for g in (r.guarantee(column) for r in runs if r.series(column)) if g})
+    if len(labels) == 1:
+        return labels[0]
+    if not labels:
+        return "guarantee not recorded"
+    return "the guarantee differs between runs: see summary.md"
+
+
 def mean_std(values: list[float]) -> tuple[float, float | None]:
     """Mean and sample standard deviation (``None`` for one value)."""
     mean = statistics.fmean(values)
@@ -233,29 +319,38 @@ def _md_escape(s: str) -> str:
     return s.replace("|", "\\|")
 
 
-def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str]) -> str:
+def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str], eps: list[str] | None = None) -> str:
     """The Markdown table of final values (see the module docstring)."""
-    logged = {k for g in groups for r in g.runs for row in r.rows for k in row}
-    eps = (["epsilon"] if "epsilon" in logged else []) + sorted(k for k in logged if k.startswith("epsilon_"))
+    runs = [r for g in groups for r in g.runs]
+    eps = epsilon_columns(runs) if eps is None else eps
     cols = ["rounds"] + [k for k in eps if k not in metrics] + metrics
-    n_runs = sum(len(g.runs) for g in groups)
+    repeats = [r for r in runs if r.repeat_of is not None]
     lines = [f"# Report: {runs_dir}", "",
-             (f"{n_runs} run(s) in {len(groups)} configuration(s). Final values (the last logged value of each "
-              "run); mean ± sample standard deviation over the seeds of a configuration."), "",
-             "| configuration | seeds | " + " | ".join(cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+             (f"{len(runs)} run(s) in {len(groups)} configuration(s). Final values (the last logged value of each "
+              "run); mean ± sample standard deviation over the distinct seeds of a configuration."), ""]
+    if eps:
+        lines += ["Epsilon columns (which guarantee each is):", ""]
+        lines += [f"- `{k}`: {guarantee_label(runs, k)}" for k in eps] + [""]
+    if repeats:
+        lines += [f"Not averaged (the same seeds as a newer run of their configuration): "
+                  f"{', '.join(f'{r.label} (as {r.repeat_of})' for r in repeats)}.", ""]
+    lines += ["| configuration | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for g in groups:
-        seeds = sorted({str(r.seed) for r in g.runs})
-        rounds = {r.rounds for r in g.runs}
-        cells = [str(rounds.pop()) if len(rounds) == 1 else _cell([float(r.rounds) for r in g.runs])]
-        cells += [_cell([r.final(m) for r in g.runs]) for m in cols[1:]]
-        lines.append(f"| {_md_escape(g.label)} | {len(g.runs)} ({', '.join(seeds)}) | " + " | ".join(cells) + " |")
+        counted = g.counted
+        seeds = ", ".join(r.seed for r in counted)
+        rounds = {r.rounds for r in counted}
+        cells = [str(rounds.pop()) if len(rounds) == 1 else _cell([float(r.rounds) for r in counted])]
+        cells += [_cell([r.final(m) for r in counted]) for m in cols[1:]]
+        left_out = len(g.runs) - len(counted)
+        extra = f" +{left_out} repeated" if left_out else ""
+        lines.append(f"| {_md_escape(g.label)} | {len(counted)} ({seeds}){extra} | " + " | ".join(cells) + " |")
     lines += ["", "## Runs", "", "| run | configuration | seed | " + " | ".join(cols) + " |",
               "|---|---|---|" + "---|" * len(cols)]
     for g in groups:
         for r in g.runs:
             cells = [str(r.rounds)] + [("-" if r.final(m) is None else f"{r.final(m):.4g}") for m in cols[1:]]
-            lines.append(f"| {_md_escape(r.label)} | {_md_escape(g.label)} | {r.seed} | " + " | ".join(cells) + " |")
+            seed = r.seed + (" (repeat: not averaged)" if r.repeat_of else "")
+            lines.append(f"| {_md_escape(r.label)} | {_md_escape(g.label)} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -265,7 +360,7 @@ def _plot_metric(runs: list[Run], metric: str) -> tuple[str, str | None]:
     if all(len(r.series(metric)) <= 1 for r in runs) and metric.startswith("test_"):
         twin = "val_" + metric[len("test_"):]
         if any(len(r.series(twin)) > 1 for r in runs):
-            return twin, f"{twin} ({metric} is logged only after the last round)"
+            return twin, f"{twin} vs round ({metric} is logged only after the last round)"
     return metric, None
 
 
@@ -285,99 +380,123 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def write_plots(groups: list[Group], metrics: list[str], out: str) -> list[str]:
-    import matplotlib
+def _epsilon_axis(runs: list[Run], column: str) -> str:
+    """An epsilon axis label: the column and its guarantee, on two lines."""
+    return f"{column}\n({guarantee_label(runs, column)})"
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
 
-    written: list[str] = []
-    colors = _colors(len(groups))
-    runs = [r for g in groups for r in g.runs]
-    has_eps = any(r.series("epsilon") for r in runs)
+class _Figures:
+    """Figures written to ``out`` as PNG, each once."""
 
-    def save(fig: Any, name: str) -> None:
-        path = os.path.join(out, name)
+    def __init__(self, out: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        self.plt, self.out, self.written = plt, out, []
+
+    def new(self) -> tuple[Any, Any]:
+        return self.plt.subplots(figsize=(7.5, 4.8))
+
+    def save(self, fig: Any, name: str) -> None:
+        path = os.path.join(self.out, name)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        self.plt.close(fig)
+        if path not in self.written:
+            self.written.append(path)
 
+
+def _lines(ax: Any, groups: list[Group], colors: list[Any], x_of: Any, y: str, style: str = "o-",
+           faint: bool = False) -> None:
+    """One line per run (``x_of(run, y)`` gives its points), one colour per group, labelled once
+    per group unless ``faint`` (then thin and pale: the training path behind final points)."""
+    for g, c in zip(groups, colors):
+        for i, r in enumerate(g.runs):
+            pts = x_of(r, y)
+            if not pts:
+                continue
+            alpha = (0.35 if faint else 0.85) * (1.0 if r.repeat_of is None else 0.4)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=c, ms=3, lw=0.8 if faint else 1.2,
+                    alpha=alpha, label=g.label if i == 0 and not faint else None)
+
+
+def _over_rounds(r: Run, y: str) -> list[tuple[float, float]]:
+    return r.series(y)
+
+
+def _final_points(ax: Any, groups: list[Group], colors: list[Any], column: str, metric: str) -> None:
+    for g, c in zip(groups, colors):
+        finals = [(r.final(column), r.final(metric)) for r in g.counted]
+        finals = [(e, m) for e, m in finals if e is not None and m is not None]
+        if finals:
+            (ex, exs), (my, mys) = mean_std([e for e, _ in finals]), mean_std([m for _, m in finals])
+            ax.errorbar([ex], [my], xerr=[exs or 0.0], yerr=[mys or 0.0], fmt="o", color=c, ms=6, capsize=3,
+                        label=g.label)
+
+
+def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str] | None = None) -> list[str]:
+    figures = _Figures(out)
+    colors = _colors(len(groups))
+    runs = [r for g in groups for r in g.runs]
+    eps = epsilon_columns(runs) if eps is None else eps
     for metric in metrics:
         shown, note = _plot_metric(runs, metric)
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for g, c in zip(groups, colors):
-            for i, r in enumerate(g.runs):
-                s = r.series(shown)
-                if s:
-                    ax.plot([x for x, _ in s], [y for _, y in s], "o-", color=c, ms=3, lw=1.2, alpha=0.85,
-                            label=g.label if i == 0 else None)
-        ax.set_xlabel("round")
-        ax.set_ylabel(shown)
-        ax.set_title(note or f"{shown} vs round")
+        fig, ax = figures.new()
+        _lines(ax, groups, colors, _over_rounds, shown)
+        ax.set(xlabel="round", ylabel=shown, title=note or f"{shown} vs round")
         ax.grid(alpha=0.3)
         _legend(ax, len(groups))
-        save(fig, f"{_safe(metric)}_vs_round.png")
-
-    if has_eps:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for g, c in zip(groups, colors):
-            for i, r in enumerate(g.runs):
-                s = r.series("epsilon")
-                if s:
-                    ax.plot([x for x, _ in s], [y for _, y in s], "-", color=c, lw=1.2, alpha=0.85,
-                            label=g.label if i == 0 else None)
-        ax.set_xlabel("round")
-        ax.set_ylabel("epsilon")
-        ax.set_title("epsilon vs round (privacy ledger)")
+        figures.save(fig, f"{_safe(shown)}_vs_round.png")
+    for column in eps:
+        fig, ax = figures.new()
+        _lines(ax, groups, colors, _over_rounds, column, "-")
+        ax.set(xlabel="round", ylabel=_epsilon_axis(runs, column), title=f"{column} vs round (privacy ledger)")
         ax.grid(alpha=0.3)
         _legend(ax, len(groups))
-        save(fig, "epsilon_vs_round.png")
-
+        figures.save(fig, f"{_safe(column)}_vs_round.png")
         for metric in metrics:
             shown, _ = _plot_metric(runs, metric)
-            fig, ax = plt.subplots(figsize=(7, 4.5))
-            for g, c in zip(groups, colors):
-                for r in g.runs:
-                    eps = {x: y for x, y in r.series("epsilon")}
-                    pts = [(eps[x], y) for x, y in r.series(shown) if x in eps]
-                    if len(pts) > 1:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=c, lw=0.8, alpha=0.4)
-                finals = [(r.final("epsilon"), r.final(metric)) for r in g.runs]
-                finals = [(e, m) for e, m in finals if e is not None and m is not None]
-                if finals:
-                    (ex, exs), (my, mys) = mean_std([e for e, _ in finals]), mean_std([m for _, m in finals])
-                    ax.errorbar([ex], [my], xerr=[exs or 0.0], yerr=[mys or 0.0], fmt="o", color=c, ms=6, capsize=3,
-                                label=g.label)
-            ax.set_xlabel("epsilon")
-            ax.set_ylabel(metric)
-            title = f"{metric} vs epsilon: final mean ± std over seeds"
+
+            def along(r: Run, y: str, column: str = column) -> list[tuple[float, float]]:
+                at = dict(r.series(column))
+                pts = [(at[x], v) for x, v in r.series(y) if x in at]
+                return pts if len(pts) > 1 else []
+
+            fig, ax = figures.new()
+            _lines(ax, groups, colors, along, shown, "-", faint=True)
+            _final_points(ax, groups, colors, column, metric)
+            ax.set(xlabel=_epsilon_axis(runs, column), ylabel=metric)
+            title = f"final {metric} (mean ± std over seeds) vs {column}"
             if shown != metric:
-                title += f"; lines: {shown} during training"
+                title += f"\nlines: {shown} during training"
             ax.set_title(title, fontsize="medium")
             ax.grid(alpha=0.3)
             _legend(ax, len(groups))
-            save(fig, f"{_safe(metric)}_vs_epsilon.png")
-    return written
+            figures.save(fig, f"{_safe(metric)}_vs_{_safe(column)}.png")
+    return figures.written
 
 
-def write_report(runs_dir: str, metric: str | list[str] | None = None, out: str | None = None) -> dict[str, Any]:
+def write_report(runs_dir: str, metric: str | list[str] | None = None, out: str | None = None,
+                 epsilon: str | list[str] | None = None) -> dict[str, Any]:
     """Write the plots and ``summary.md``; returns ``{"plots": [...], "table": path, "metrics": [...],
-    "groups": [...]}``."""
+    "epsilons": [...], "groups": [...]}``."""
     runs = find_runs(runs_dir)
     metrics = select_metrics(runs, metric)
+    eps = epsilon_columns(runs, epsilon)
     groups = group_runs(runs)
     out = out or os.path.join(runs_dir, "report")
     os.makedirs(out, exist_ok=True)
-    plots = write_plots(groups, metrics, out)
+    plots = write_plots(groups, metrics, out, eps)
     table = os.path.join(out, "summary.md")
     with open(table, "w") as f:
-        f.write(summary_markdown(runs_dir, groups, metrics))
-    return {"plots": plots, "table": table, "metrics": metrics, "groups": groups}
+        f.write(summary_markdown(runs_dir, groups, metrics, eps))
+    return {"plots": plots, "table": table, "metrics": metrics, "epsilons": eps, "groups": groups}
 
 
 def run_from_cli(cfg: Any) -> None:
-    result = write_report(cfg.runs_dir, cfg.metric, cfg.out)
+    result = write_report(cfg.runs_dir, cfg.metric, cfg.out, cfg.epsilon)
     with open(result["table"]) as f:
         print(f.read())
     print(f"wrote {result['table']}")

@@ -34,14 +34,22 @@ Supported: ``value``, ``values`` (with optional ``probabilities``), and the dist
 are natural logs), ``log_uniform_values``, ``q_log_uniform_values``, ``normal``, ``q_normal``,
 ``log_normal``, ``q_log_normal``. Macros of ``command``: ``${env}``, ``${interpreter}`` (this Python;
 ``python -m mpi4py`` under ``--mpi``), ``${program}``, ``${args}``, ``${args_no_hyphens}``,
-``${args_no_equals}``, ``${args_no_boolean_flags}``, ``${args_json}``, ``${args_json_file}`` and
-``${envvar:NAME}``; without ``command``, W&B's default ``${env} ${interpreter} ${program} ${args}``.
+``${args_no_equals}``, ``${args_no_boolean_flags}``, ``${args_json}``, ``${args_json_file}``,
+``${args_append_hydra}``, ``${args_override_hydra}`` and ``${envvar:NAME}``; without ``command``,
+W&B's default ``${env} ${interpreter} ${program} ${args}``.
+
+Under ``wandb sweep`` + ``wandb agent`` the agent runs the same command (``${interpreter}`` is
+``python``) with ``WANDB_SWEEP_ID``, ``WANDB_RUN_ID`` and ``WANDB_SWEEP_PARAM_PATH`` set; the run's
+:class:`~dpfl_lightning.loggers.WandbLogger` then joins the agent's W&B run, which is where the
+sweep reads its ``metric`` (the last logged value). The shipped base configurations have one
+(``dpfl fit`` adds one under an agent when a configuration has none).
 
 The sweep's directory (``--dir``, default ``sweeps/<name>``) holds ``runs/<run>/version_0/``
 (``--trainer.log_dir`` and ``--trainer.run_name`` are appended to each command; the run name is
 made from the values of the parameters that vary, e.g. ``local_steps=2_rounds=40_seed=1``),
 ``logs/<run>.log`` (each run's console output), ``done/<run>.json`` (a run that exited 0) and
-``failed/<run>.json``. Rerunning the sweep skips the runs in ``done/`` (unless their parameters
+``failed/<run>.json``; these and the table of runs give a run's duration and end time only when it
+is not a DP run (:func:`is_private_run`: how long its rounds took depends on its cohorts' data). Rerunning the sweep skips the runs in ``done/`` (unless their parameters
 changed) and retries the failed ones: a failure is often the machine's (killed, out of memory),
 and one that is not fails again in seconds and is reported again. A retried run's partial
 directory is moved to ``failed/<run>.attempt<k>`` first (a finished run that is rerun because its
@@ -53,6 +61,7 @@ grouped under the sweep's name (``WANDB_RUN_GROUP``); ``project``/``entity`` of 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import itertools
 import json
@@ -389,6 +398,8 @@ def _macros(params: dict[str, Any], sweep: Sweep, json_file: str | None, mpi: in
         "args_no_boolean_flags": no_bool,
         "args_json": [json.dumps(params, default=str)],
         "args_json_file": [json_file] if json_file else [],
+        "args_append_hydra": ["+" + f for f in flags],
+        "args_override_hydra": ["++" + f for f in flags],
     }
 
 
@@ -423,13 +434,30 @@ def build_command(sweep: Sweep, params: dict[str, Any], *, mpi: int | None = Non
 # ---------------------------------------------------------------------------------------- running
 @dataclass
 class RunResult:
+    """One configuration's outcome; ``seconds`` is ``None`` for a DP run (see :func:`is_private_run`)."""
+
     name: str
     params: dict[str, Any]
     status: str  # done, skipped (done before), failed, dry-run
-    seconds: float = 0.0
+    seconds: float | None = None
     returncode: int | None = None
     message: str = ""
     metric: float | None = None
+
+
+def is_private_run(run_dir: str) -> bool:
+    """Whether the run in ``run_dir`` is a DP run (its ``hparams.yaml`` holds privacy settings);
+    a run that wrote none (it failed early) counts as one. How long a DP run's rounds took depends
+    on its cohorts' data, and no mechanism covers it: the sweep then records no duration or end time."""
+    found = sorted(glob.glob(os.path.join(run_dir, "version_*", "hparams.yaml")))
+    if not found:
+        return True
+    try:
+        with open(found[-1]) as f:
+            hparams = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return True
+    return bool(hparams.get("privacy")) if isinstance(hparams, dict) else True
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -529,7 +557,7 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
         cmd = build_command(sweep, params, mpi=mpi, log_dir=runs_dir, name=name, json_file=json_file)
         done = _read_json(os.path.join(directory, "done", f"{name}.json"))
         if done is not None and _same(done.get("params"), params):
-            results[name] = RunResult(name, params, "skipped", float(done.get("seconds", 0.0)), 0, "done before",
+            results[name] = RunResult(name, params, "skipped", done.get("seconds"), 0, "done before",
                                       final_metric(os.path.join(runs_dir, name), sweep.metric))
             continue
         if done is not None:
@@ -576,7 +604,7 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
                     message = f"could not start {cmd[0]!r}: {exc}"
                     _write_json(os.path.join(directory, "failed", f"{name}.json"),
                                 {"name": name, "params": params, "command": cmd, "returncode": None, "error": message})
-                    results[name] = RunResult(name, params, "failed", 0.0, 127, message)
+                    results[name] = RunResult(name, params, "failed", None, 127, message)
                     print(f"{name}: failed to start: {message}", file=out, flush=True)
                     continue
                 running.append((name, params, cmd, proc, log, time.perf_counter()))
@@ -587,9 +615,11 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
                     continue
                 running.remove(item)
                 log.close()
-                seconds = time.perf_counter() - t0
-                record = {"name": name, "params": params, "command": cmd, "returncode": proc.returncode,
-                          "seconds": round(seconds, 3), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+                record = {"name": name, "params": params, "command": cmd, "returncode": proc.returncode}
+                seconds = None if is_private_run(os.path.join(runs_dir, name)) else time.perf_counter() - t0
+                if seconds is not None:
+                    record.update(seconds=round(seconds, 3), finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+                took = "" if seconds is None else f" in {seconds:.1f} s"
                 log_path = os.path.join(directory, "logs", f"{name}.log")
                 if proc.returncode == 0:
                     _write_json(os.path.join(directory, "done", f"{name}.json"), record)
@@ -599,13 +629,13 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
                     value = final_metric(os.path.join(runs_dir, name), sweep.metric)
                     results[name] = RunResult(name, params, "done", seconds, 0, "", value)
                     shown = f" ({sweep.metric}={value:.4g})" if value is not None else ""
-                    print(f"{name}: done in {seconds:.1f} s{shown}", file=out, flush=True)
+                    print(f"{name}: done{took}{shown}", file=out, flush=True)
                 else:
                     message = _last_error_line(log_path)
                     record["error"] = message
                     _write_json(os.path.join(directory, "failed", f"{name}.json"), record)
                     results[name] = RunResult(name, params, "failed", seconds, proc.returncode, message)
-                    print(f"{name}: failed (exit {proc.returncode}) after {seconds:.1f} s: {message} "
+                    print(f"{name}: failed (exit {proc.returncode}){took.replace(' in ', ' after ')}: {message} "
                           f"[log: {log_path}]", file=out, flush=True)
     except KeyboardInterrupt:
         for name, _, _, proc, log, _ in running:
@@ -662,7 +692,8 @@ def print_runs(results: list[RunResult], metric: str | None = None, out: Any = N
         table.add_column(metric, justify="right")
     for r in results:
         params = ", ".join(_param_text(k, v) for k, v in r.params.items())
-        status = {"done": f"done ({r.seconds:.0f} s)", "skipped": "done before", "dry-run": "not run",
+        took = "" if r.seconds is None else f" ({r.seconds:.0f} s)"
+        status = {"done": f"done{took}", "skipped": "done before", "dry-run": "not run",
                   "failed": f"failed (exit {r.returncode}): {r.message}"}.get(r.status, r.status)
         row = [r.name, params, status]
         if metric:

@@ -6,7 +6,9 @@ import io
 import json
 import os
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 
 import pytest
@@ -57,7 +59,8 @@ def test_grid_sweep_runs_each_configuration_once_and_a_rerun_skips_them(tmp_path
         assert cfg["trainer"]["seed"] == r.params["trainer.seed"]
         assert cfg["model"]["init_args"]["lr"] == r.params["model.init_args.lr"]
         assert cfg["trainer"]["run_name"] == r.name
-        assert os.path.isfile(tmp_path / "sw" / "done" / f"{r.name}.json")
+        with open(tmp_path / "sw" / "done" / f"{r.name}.json") as f:
+            assert json.load(f)["seconds"] > 0  # no DP: the run's duration is kept
         with open(os.path.join(os.path.dirname(hp), "metrics.csv")) as f:
             rows = [row for row in csv.DictReader(f) if row.get("test_acc")]
         assert r.metric == pytest.approx(float(rows[-1]["test_acc"]))
@@ -211,3 +214,66 @@ def test_a_missing_launcher_fails_its_run_and_the_sweep_goes_on(tmp_path):
     assert r.status == "failed" and "could not start" in r.message
     with pytest.raises(ConfigError, match="--count"):
         sweep.run(path, directory=str(tmp_path / "sw2"), count=0, out=io.StringIO())
+
+
+def test_a_dp_run_leaves_no_duration_in_the_sweep_records(tmp_path):
+    """How long a DP run's rounds took depends on its cohorts' data: done/*.json and the table of runs
+    give no duration or end time for it."""
+    dp = {"class_path": "dpfl_lightning.algorithms.DPFedAvg", "init_args": {"clip": 1.0, "noise_multiplier": 1.0}}
+    path = _write(tmp_path, {"trainer.algorithm": {"values": [dp]}, "trainer.seed": {"values": [3]}})
+    out = io.StringIO()
+    (r,) = sweep.run(path, directory=str(tmp_path / "sw"), out=out)
+    assert r.status == "done" and r.seconds is None, out.getvalue()
+    with open(tmp_path / "sw" / "done" / f"{r.name}.json") as f:
+        record = json.load(f)
+    assert record["returncode"] == 0 and "seconds" not in record and "finished" not in record
+    assert re.search(r"done \(\d+ s\)| done in ", out.getvalue()) is None
+    assert sweep.is_private_run(str(tmp_path / "sw" / "runs" / r.name))
+
+
+def _agent_command(spec, args, run_id):
+    """The command line wandb's agent builds for one run (wandb_agent.Agent._command_run), from its
+    own helpers; the agent writes ``python``, this test the running interpreter."""
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    command = {"args": {k: {"value": v} for k, v in args.items()}, "program": spec.get("program"), "run_id": run_id}
+    chunks = sweep_utils.create_sweep_command(list(spec["command"]))
+    macros = sweep_utils.create_sweep_command_args(command)
+    macros.update(interpreter=[sys.executable], program=[command["program"]], env=["/usr/bin/env"])
+    out = []
+    for c in map(str, chunks):
+        out += (macros.get(c[2:-1]) or []) if c.startswith("${") and c.endswith("}") else [c]
+    return command, out
+
+
+def test_shipped_sweep_runs_unchanged_under_a_wandb_agent(tmp_path):
+    """One run of configs/sweeps/paper000_local_steps.yaml as `wandb agent` starts it (its command
+    line, WANDB_SWEEP_ID / WANDB_RUN_ID / WANDB_SWEEP_PARAM_PATH / WANDB_DIR, W&B offline): the run
+    joins the agent's W&B run and logs the sweep's metric."""
+    from wandb.sdk.lib import config_util
+
+    from test_loggers import finished_wandb_records, wandb_history
+
+    shutil.copytree(os.path.join(ROOT, "configs"), tmp_path / "configs")  # the file's paths are relative
+    with open(tmp_path / "configs" / "sweeps" / "paper000_local_steps.yaml") as f:
+        spec = yaml.safe_load(f)
+    run_id, sweep_id = "agentrun1", "sweep123"
+    command, cmd = _agent_command(spec, {"trainer": {"local_steps": 16, "rounds": 5}, "trainer.seed": 1}, run_id)
+    assert "--trainer={'local_steps': 16, 'rounds': 5}" in cmd and "--trainer.seed=1" in cmd
+    param_path = str(tmp_path / "wandb" / f"sweep-{sweep_id}" / f"config-{run_id}.yaml")
+    config_util.save_config_file_from_dict(param_path, command["args"])
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SWEEP_ID": sweep_id, "WANDB_RUN_ID": run_id,
+           "WANDB_SWEEP_PARAM_PATH": param_path, "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": spec["project"],
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = glob.glob(str(tmp_path / "runs" / "*" / "version_0" / "wandb" / f"offline-run-*-{run_id}" / "*.wandb"))
+    rows, config, ids = wandb_history(path)
+    assert ids == [run_id]
+    runs = [r.run for r in finished_wandb_records(path) if r.WhichOneof("record_type") == "run"]
+    assert runs[0].sweep_id == sweep_id and runs[0].project == spec["project"]
+    metric = spec["metric"]["name"]
+    with open(glob.glob(str(tmp_path / "runs" / "*" / "version_0" / "metrics.csv"))[0]) as f:
+        csv_value = [float(r[metric]) for r in csv.DictReader(f) if r.get(metric)][-1]
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1][metric] == pytest.approx(csv_value)
+    assert config["trainer.seed"] == 1 and config["trainer.rounds"] == 5 and config["trainer.local_steps"] == 16

@@ -125,17 +125,28 @@ def resume_command(checkpoint: str, argv: list[str] | None = None, world_size: i
     return shlex.join(head + _without_resume(argv[1:]) + ["--resume", checkpoint])
 
 
-def resume_hint(checkpoint: str, rounds_done: int, signum: int, world_size: int) -> list[str]:
-    """What rank 0 prints when a run stops on a signal."""
-    lines = [f"preempted: {signal.Signals(signum).name} received; stopped after round {rounds_done}, "
-             f"checkpoint written to {checkpoint}"]
+def how_to_resume(checkpoint: str, world_size: int) -> str:
+    """``resume with: <command>`` (or, for a Python script, the ``fit`` call)."""
     command = resume_command(checkpoint, world_size=world_size)
     if command is not None:
-        lines.append(f"resume with: {command}")
-    else:
-        lines.append(f"resume with: trainer.fit(module, data, ckpt_path={checkpoint!r}) "
-                     "(or ckpt_path='last': the newest checkpoint of the run, if there is one)")
-    return lines
+        return f"resume with: {command}"
+    return (f"resume with: trainer.fit(module, data, ckpt_path={checkpoint!r}) "
+            "(or ckpt_path='last': the newest checkpoint of the run, if there is one)")
+
+
+def resume_hint(checkpoint: str, rounds_done: int, signum: int, world_size: int) -> list[str]:
+    """What rank 0 prints when a run stops on a signal."""
+    return [f"preempted: {signal.Signals(signum).name} received; stopped after round {rounds_done}, "
+            f"checkpoint written to {checkpoint}", how_to_resume(checkpoint, world_size)]
+
+
+def interrupt_hint(checkpoint: str, world_size: int) -> list[str]:
+    """What rank 0 prints when a second Ctrl-C stopped the run at once."""
+    if not os.path.isfile(checkpoint):
+        return ["interrupted: no checkpoint was written (set checkpoint_every; or press Ctrl-C once: the run then "
+                "stops after the round with a checkpoint)"]
+    return [f"interrupted: the rounds after the newest checkpoint ({checkpoint}) are lost",
+            how_to_resume(checkpoint, world_size)]
 
 
 def finalize_mpi_at_exit() -> None:

@@ -51,7 +51,7 @@ from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
 from dpfl_lightning.payload import Aggregate
 from dpfl_lightning.plan import RoundPlan
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, resume_hint
+from dpfl_lightning.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, interrupt_hint, resume_hint
 from dpfl_lightning.reproducibility import python_config, warn_if_unseeded
 from dpfl_lightning.run_setup import RunSetup, build_run, collect_mechanisms
 from dpfl_lightning.settings import check_trainer_settings
@@ -278,6 +278,9 @@ class FederatedTrainer:
         except BaseException as exc:
             if self.world_size > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
                 report_failure(exc, self.rank, self.world_size)  # out before any rank aborts the job
+            if isinstance(exc, KeyboardInterrupt) and self.is_global_zero:
+                for line in interrupt_hint(os.path.join(self.checkpoint_dir, "last.ckpt"), self.world_size):
+                    print(line, file=sys.stderr, flush=True)
             lightning_run.teardown(exc)
             if isinstance(exc, Preempted):
                 finalize_mpi_at_exit()

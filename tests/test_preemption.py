@@ -63,11 +63,17 @@ def test_a_signal_stops_after_the_round_and_the_resumed_run_matches(tmp_path, ca
     assert [h["epsilon"] for h in resumed.history] == [h["epsilon"] for h in ref.history]
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path):
-    trainer = _trainer(str(tmp_path), SignalAt(signal.SIGINT, at=2, times=2))
+@pytest.mark.parametrize("every", [None, 1])
+def test_a_second_ctrl_c_stops_at_once_with_the_newest_checkpoint_named(tmp_path, capfd, every):
+    trainer = _trainer(str(tmp_path), SignalAt(signal.SIGINT, at=2, times=2), checkpoint_every=every)
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(TinyClassifier(), tiny_data())
-    assert not os.path.exists(os.path.join(trainer.checkpoint_dir, "last.ckpt"))
+    last = os.path.join(trainer.checkpoint_dir, "last.ckpt")
+    err = capfd.readouterr().err
+    if every is None:
+        assert not os.path.exists(last) and "interrupted: no checkpoint was written" in err
+    else:  # round 2 was not finished (and not saved): the newest checkpoint is round 1's
+        assert ckpt.load(last)["round"] == 1 and f"ckpt_path={last!r}" in err
 
 
 def test_a_signal_in_the_last_round_lets_the_run_finish(tmp_path):

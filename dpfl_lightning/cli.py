@@ -38,6 +38,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import yaml
@@ -492,7 +493,10 @@ def run_fit(parser: ArgumentParser, cfg: Any) -> Any:
     _sweep_logger(trainer)
     expect_model_labels(fit.model, data)
     try:
-        trainer.fit(fit.model, data, ckpt_path=section.ckpt_path or section.resume)
+        with warnings.catch_warnings():
+            if seed != section.trainer.seed:  # seed_everything chose the model's seed, and config.yaml keeps it
+                warnings.filterwarnings("ignore", message=r"trainer\.seed=.*torch's global random generator")
+            trainer.fit(fit.model, data, ckpt_path=section.ckpt_path or section.resume)
     finally:
         _save_run_config(trainer, text)
     return trainer
@@ -543,19 +547,6 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def parse(parser: ArgumentParser, argv: list[str] | None = None) -> Any:
-    """Parse ``argv`` (default: the command line); a bad command line ends with one line and exit 2."""
-    from dpfl_lightning import evaluation
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return parser.parse_args(evaluation.rewrite_arguments(argv))
-    except argparse.ArgumentError as exc:
-        _fail(parse_error_line(parser, argv, exc.message), EXIT_CONFIG)
-    except ConfigError as exc:
-        _fail(str(exc), EXIT_CONFIG)
-
-
 def _search_working_directory() -> None:
     """Classes in the working directory (``mydata.MyDataModule``) import as under ``python -m``;
     appended, so they never shadow an installed package."""
@@ -564,8 +555,21 @@ def _search_working_directory() -> None:
         sys.path.append(here)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(parser: ArgumentParser, argv: list[str] | None = None) -> Any:
+    """Parse ``argv`` (default: the command line); a bad command line ends with one line and exit 2."""
+    from dpfl_lightning import evaluation
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     _search_working_directory()
+    try:
+        return parser.parse_args(evaluation.rewrite_arguments(argv))
+    except argparse.ArgumentError as exc:
+        _fail(parse_error_line(parser, argv, exc.message), EXIT_CONFIG)
+    except ConfigError as exc:
+        _fail(str(exc), EXIT_CONFIG)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     cfg = parse(parser, argv)
     try:

@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from dpfl_lightning.comm import launched_with_mpi  # noqa: E402
 
+SKIP_REASON = "run by tests/test_mpi.py under mpiexec -n 2 (python -m mpi4py)"
+
 
 def _world():
     if not launched_with_mpi():
@@ -26,10 +28,19 @@ def pytest_collection_modifyitems(config, items):
     comm = _world()
     if comm is None or comm.Get_size() < 2:
         here = os.path.dirname(os.path.abspath(__file__))
-        skip = pytest.mark.skip(reason="needs mpiexec -n 2 (run by tests/test_mpi.py)")
+        skip = pytest.mark.skip(reason=SKIP_REASON)
         for item in items:
             if str(item.path).startswith(here + os.sep):  # this hook sees the whole session's items
                 item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """A plain run lists skips without their reason (only with -rs): say why these are skipped."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if str(r.fspath).startswith(here + os.sep)
+               or str(getattr(r, "location", ("",))[0]).startswith("tests/mpi")]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} tests in tests/mpi skipped: {SKIP_REASON}")
 
 
 @pytest.fixture

@@ -486,8 +486,8 @@ def noise_multiplier_notes(ledger: Any, mechanisms: Iterable[Any]) -> list[str]:
         if len(r.events) > 1:
             parts.append(f"{len(r.events)} mechanisms released together compose as one Gaussian")
         if parts:
-            shown = ", ".join(f"{c:g}" for c in configured)
-            notes.append(f"noise multiplier {z:.4g} {_towards(g.description)} (configured: {shown}): "
+            shown = ", ".join(f"{c:.4g}" for c in configured)
+            notes.append(f"noise multiplier {z:.4g} {_towards(g.description)} (the mechanisms' own: {shown}): "
                          + "; ".join(parts))
     return notes
 

@@ -259,8 +259,8 @@ def test_the_privacy_line_says_why_a_noise_multiplier_differs(tmp_path, capfd):
               "--trainer.loggers", "[]", "--trainer.log_dir", str(tmp_path)])
     err = capfd.readouterr().err
     assert "towards the server" in err and "noise multiplier 0.5;" in err
-    assert "noise multiplier 0.5 towards the server (configured: 1): replace-one neighbours: a replaced client " \
-           "moves the sum by up to 2C" in err
+    assert "noise multiplier 0.5 towards the server (the mechanisms' own: 1): replace-one neighbours: a replaced " \
+           "client moves the sum by up to 2C" in err
     assert "noise multiplier 1 towards anyone" not in err  # the models' guarantee uses the configured one
 
 

@@ -277,3 +277,22 @@ def test_shipped_sweep_runs_unchanged_under_a_wandb_agent(tmp_path):
         csv_value = [float(r[metric]) for r in csv.DictReader(f) if r.get(metric)][-1]
     assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1][metric] == pytest.approx(csv_value)
     assert config["trainer.seed"] == 1 and config["trainer.rounds"] == 5 and config["trainer.local_steps"] == 16
+
+
+def test_command_macros_match_the_wandb_agent(tmp_path):
+    """Every argument macro dpfl sweep fills in is what wandb's agent fills in for the same values
+    (its own helper), so one sweep file gives the same command lines in both."""
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    params = {"trainer.seed": 2, "model.init_args.lr": 0.05, "trainer.secure": False, "trainer.enable_summary": True,
+              "trainer": {"local_steps": 2, "rounds": 40},
+              "trainer.algorithm": {"class_path": "dpfl_lightning.algorithms.DPFedAvg", "init_args": {"clip": 1.0}}}
+    macros = ["args", "args_no_hyphens", "args_no_equals", "args_no_boolean_flags", "args_json",
+              "args_append_hydra", "args_override_hydra"]
+    theirs = sweep_utils.create_sweep_command_args({"args": {k: {"value": v} for k, v in params.items()}})
+    path = _write(tmp_path, {k: {"values": [v]} for k, v in params.items()})
+    spec = sweep.load_sweep(path)
+    (drawn,) = sweep.configurations(spec)
+    for macro in macros:
+        spec.command = ["${" + macro + "}"]
+        assert sweep.build_command(spec, drawn) == theirs[macro], macro

@@ -12,7 +12,7 @@ raises :class:`Preempted`, a ``SystemExit`` with status ``128 + signal number`` 
 reports, which job scripts and schedulers read as "terminated by the signal". A resumed run
 reaches the same model as one that was never interrupted.
 
-A second Ctrl-C stops at once (``KeyboardInterrupt``). A round is never cut short: give Slurm's
+A Ctrl-C while a stop is pending stops at once (``KeyboardInterrupt``). A round is never cut short: give Slurm's
 ``--signal`` more lead time than a round and a checkpoint write take.
 """
 
@@ -67,12 +67,12 @@ class SignalWatch:
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if signum == signal.SIGINT and self.received:
+            raise KeyboardInterrupt  # Ctrl-C while a stop is pending: stop now
         if not self.received:
             self.received = signum
             if self.announce and signum == signal.SIGINT:  # a raw write: safe inside a handler

@@ -18,8 +18,11 @@ The cursor moves over a round in one of two ways:
   automatic optimization and, placing them by their declared interval, in manual optimization).
 
 Then, at the round's end, the epoch-interval schedulers and ``ReduceLROnPlateau`` step, as after
-one Lightning epoch (in manual optimization only by their declared interval, when nothing the module
-did was taken: lightning.Trainer never steps them there).
+one Lightning epoch. In manual optimization lightning.Trainer never steps schedulers: the module
+steps them itself, within its round, so the schedule alone there steps each by its declared interval
+within the round (a module that does so ends where the schedule does; one that never steps them
+ends elsewhere, and that state is taken), and ``ReduceLROnPlateau`` at the round's end only when
+nothing was taken.
 """
 
 from __future__ import annotations
@@ -153,32 +156,43 @@ class ScheduleCursor:
                     self.start_step = end.step
                 else:
                     self.start_step = self._replay(r)
-                if self.automatic or end is None:
-                    self._end_epoch(r)
+                self._end_epoch(r, taken=end is not None)
                 self.round = r + 1
 
     def _replay(self, r: int) -> int:
-        """The round's ``steps`` steps on the schedule alone (step-interval schedulers); returns the
-        ``global_step`` it ends at."""
+        """The round's ``steps`` steps on the schedule alone (step-interval schedulers; in manual
+        optimization, where the module steps them itself within its round, the epoch-interval ones
+        too); returns the ``global_step`` it ends at."""
         g0 = self.start_step
         for g in range(g0 + 1, g0 + self.steps + 1):
             for cfg in self._by_step:
                 if g % cfg.frequency == 0:
                     self._step(cfg, None, r, g)
+        if not self.automatic:
+            self._epoch_steps(r, g0 + self.steps)
         return g0 + self.steps
 
-    def _end_epoch(self, r: int) -> None:
+    def _epoch_steps(self, r: int, global_step: int) -> None:
         for cfg in self._by_epoch:
             if (r + 1) % cfg.frequency == 0:
-                self._step(cfg, None, r, self.start_step)
+                self._step(cfg, None, r, global_step)
+
+    def _end_epoch(self, r: int, taken: bool) -> None:
+        """After one Lightning epoch: the epoch-interval schedulers, then ``ReduceLROnPlateau`` on the
+        round's released metric (in manual optimization, only where nothing the module did was taken,
+        ``ReduceLROnPlateau``: lightning.Trainer never steps schedulers there)."""
+        if self.automatic:
+            self._epoch_steps(r, self.start_step)
+        elif taken:
+            return
         for cfg in self._plateau:
             value = self._metric(r, cfg.monitor)
             if value is not None and (r + 1) % cfg.frequency == 0:
                 self._step(cfg, float(value), r, self.start_step)
 
     def expected_end(self) -> RoundEnd:
-        """Where the schedule alone ends the current round (before the epoch's scheduler steps): what a
-        client's :class:`RoundEnd` is compared with."""
+        """Where the schedule alone ends the current round (before the epoch's scheduler steps of
+        automatic optimization): what a client's :class:`RoundEnd` is compared with."""
         if self._expected is None or self._expected[0] != self.round:
             saved = self.state()
             with warnings.catch_warnings():

@@ -207,6 +207,25 @@ class TwoOptimizers(Classifier):
         self.lr_schedulers().step()
 
 
+class SchedulerNeverStepped(Classifier):
+    """Manual optimization that returns a scheduler and never steps it (Lightning's
+    ``ManualOptimBoringModel``): lightning.Trainer never steps it either."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()
+
+
 class FrozenBackbone(Classifier):
     """A pretrained backbone, frozen, with a BatchNorm in eval mode; only the head trains."""
 
@@ -244,8 +263,8 @@ class EndsEpochEarly(Net):
 
 
 # ---------------------------------------------------------------------------------------- the oracle
-@pytest.mark.parametrize("make", [Classifier, WarmUpInOptimizerStep, TwoOptimizers, FrozenBackbone, GradualUnfreeze,
-                                  EndsEpochEarly], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("make", [Classifier, WarmUpInOptimizerStep, TwoOptimizers, SchedulerNeverStepped,
+                                  FrozenBackbone, GradualUnfreeze, EndsEpochEarly], ids=lambda m: m.__name__)
 def test_one_client_equals_lightning_trainer(tmp_path, make):
     fed, ref = run_both(make, tmp_path)
     assert_same(fed, ref)

@@ -262,7 +262,8 @@ def test_shipped_sweep_runs_unchanged_under_a_wandb_agent(tmp_path):
     assert "--trainer={'local_steps': 16, 'rounds': 5}" in cmd and "--trainer.seed=1" in cmd
     param_path = str(tmp_path / "wandb" / f"sweep-{sweep_id}" / f"config-{run_id}.yaml")
     config_util.save_config_file_from_dict(param_path, command["args"])
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SWEEP_ID": sweep_id, "WANDB_RUN_ID": run_id,
+    own = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # (an earlier test's W&B service)
+    env = {**own, "WANDB_MODE": "offline", "WANDB_SWEEP_ID": sweep_id, "WANDB_RUN_ID": run_id,
            "WANDB_SWEEP_PARAM_PATH": param_path, "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": spec["project"],
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)

@@ -14,7 +14,6 @@ checkpoints) into the model, as ``MyModule.load_from_checkpoint`` would.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
@@ -240,10 +239,3 @@ def save_predictions(predictions: Any, ckpt_path: str, out: str | None) -> str:
 
     save_atomic(predictions, path)
     return path
-
-
-def newest_config(log_dir: str, run_name: str) -> str | None:
-    """The ``config.yaml`` of the newest ``version_N`` of ``<log_dir>/<run_name>``."""
-    found = sorted(glob.glob(os.path.join(log_dir, run_name, "version_*", CONFIG_FILE)),
-                   key=lambda p: int(re.search(r"version_(\d+)", p).group(1)))
-    return found[-1] if found else None

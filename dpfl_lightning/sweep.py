@@ -510,6 +510,44 @@ def _threads(jobs: int, mpi: int | None) -> int:
     return max(1, available_cpus() // (jobs * (mpi or 1)))
 
 
+def _environment(sweep: Sweep, jobs: int, mpi: int | None) -> dict[str, str]:
+    """The runs' environment: W&B group / project / entity from the sweep, threads per run."""
+    env = dict(os.environ)
+    env.setdefault("WANDB_RUN_GROUP", sweep.name)
+    if sweep.project:
+        env.setdefault("WANDB_PROJECT", str(sweep.project))
+    if sweep.entity:
+        env.setdefault("WANDB_ENTITY", str(sweep.entity))
+    env.setdefault("OMP_NUM_THREADS", str(_threads(jobs, mpi)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _plan_runs(sweep: Sweep, directory: str, names: list[str], configs: list[dict[str, Any]], mpi: int | None,
+               dry_run: bool, out: Any) -> tuple[dict[str, RunResult], list[tuple[str, dict[str, Any], list[str]]]]:
+    """The runs done before (skipped) or only shown (dry run), and the ``(name, params, command)`` to run."""
+    runs_dir = os.path.join(directory, "runs")
+    results: dict[str, RunResult] = {}
+    todo: list[tuple[str, dict[str, Any], list[str]]] = []
+    for name, params in zip(names, configs):
+        json_file = os.path.join(directory, "args", f"{name}.json")
+        cmd = build_command(sweep, params, mpi=mpi, log_dir=runs_dir, name=name, json_file=json_file)
+        done = _read_json(os.path.join(directory, "done", f"{name}.json"))
+        if done is not None and _same(done.get("params"), params):
+            results[name] = RunResult(name, params, "skipped", done.get("seconds"), 0, "done before",
+                                      final_metric(os.path.join(runs_dir, name), sweep.metric))
+            continue
+        if done is not None:
+            print(f"dpfl sweep: {name}: the parameters differ from the finished run's (a constant of the sweep "
+                  "changed?): running it again", file=out, flush=True)
+        if dry_run:
+            print(" ".join(_quote(c) for c in cmd), file=out, flush=True)
+            results[name] = RunResult(name, params, "dry-run")
+            continue
+        todo.append((name, params, cmd))
+    return results, todo
+
+
 def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None, jobs: int = 1,
         count: int | None = None, seed: int = 0, dry_run: bool = False, out: Any = None) -> list[RunResult]:
     """Run the sweep (see the module docstring); returns one :class:`RunResult` per configuration.
@@ -539,35 +577,10 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
     configs = configurations(sweep, count, seed)
     for note in sweep.notes:
         print(f"dpfl sweep: note: {note}", file=out, flush=True)
-    env = dict(os.environ)
-    env.setdefault("WANDB_RUN_GROUP", sweep.name)
-    if sweep.project:
-        env.setdefault("WANDB_PROJECT", str(sweep.project))
-    if sweep.entity:
-        env.setdefault("WANDB_ENTITY", str(sweep.entity))
-    env.setdefault("OMP_NUM_THREADS", str(_threads(jobs, mpi)))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-
-    results: dict[str, RunResult] = {}
-    todo: list[tuple[str, dict[str, Any], list[str]]] = []
+    env = _environment(sweep, jobs, mpi)
     total = len(configs)
     names = run_names(configs, constant_parameters(sweep))
-    for name, params in zip(names, configs):
-        json_file = os.path.join(directory, "args", f"{name}.json")
-        cmd = build_command(sweep, params, mpi=mpi, log_dir=runs_dir, name=name, json_file=json_file)
-        done = _read_json(os.path.join(directory, "done", f"{name}.json"))
-        if done is not None and _same(done.get("params"), params):
-            results[name] = RunResult(name, params, "skipped", done.get("seconds"), 0, "done before",
-                                      final_metric(os.path.join(runs_dir, name), sweep.metric))
-            continue
-        if done is not None:
-            print(f"dpfl sweep: {name}: the parameters differ from the finished run's (a constant of the sweep "
-                  "changed?): running it again", file=out, flush=True)
-        if dry_run:
-            print(" ".join(_quote(c) for c in cmd), file=out, flush=True)
-            results[name] = RunResult(name, params, "dry-run")
-            continue
-        todo.append((name, params, cmd))
+    results, todo = _plan_runs(sweep, directory, names, configs, mpi, dry_run, out)
     skipped = sum(r.status == "skipped" for r in results.values())
     if not dry_run:
         print(f"dpfl sweep {sweep.name}: {total} configuration(s), {skipped} done before, {len(todo)} to run "
@@ -586,28 +599,13 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
             while queue and len(running) < jobs:
                 name, params, cmd = queue.pop(0)
                 started += 1
-                _prepare_run_dir(directory, runs_dir, name)
-                done_marker = os.path.join(directory, "done", f"{name}.json")
-                if os.path.exists(done_marker):
-                    os.remove(done_marker)
-                if "${args_json_file}" in sweep.command:
-                    _write_json(os.path.join(directory, "args", f"{name}.json"), params)
-                # the run's log, closed when the run ends
-                log = open(os.path.join(directory, "logs", f"{name}.log"), "w")  # noqa: SIM115
-                log.write("$ " + " ".join(_quote(c) for c in cmd) + "\n")
-                log.flush()
                 print(f"[{started}/{len(todo)}] {name}: started", file=out, flush=True)
-                try:
-                    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
-                except OSError as exc:  # the launcher is missing or not executable: this run fails, the sweep goes on
-                    log.close()
-                    message = f"could not start {cmd[0]!r}: {exc}"
-                    _write_json(os.path.join(directory, "failed", f"{name}.json"),
-                                {"name": name, "params": params, "command": cmd, "returncode": None, "error": message})
-                    results[name] = RunResult(name, params, "failed", None, 127, message)
-                    print(f"{name}: failed to start: {message}", file=out, flush=True)
-                    continue
-                running.append((name, params, cmd, proc, log, time.perf_counter()))
+                launched = _start_run(sweep, directory, runs_dir, name, params, cmd, env)
+                if isinstance(launched, RunResult):  # the launcher is missing: this run fails, the sweep goes on
+                    results[name] = launched
+                    print(f"{name}: failed to start: {launched.message}", file=out, flush=True)
+                else:
+                    running.append((name, params, cmd, *launched))
             time.sleep(0.2)
             for item in list(running):
                 name, params, cmd, proc, log, t0 = item
@@ -615,28 +613,7 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
                     continue
                 running.remove(item)
                 log.close()
-                record = {"name": name, "params": params, "command": cmd, "returncode": proc.returncode}
-                seconds = None if is_private_run(os.path.join(runs_dir, name)) else time.perf_counter() - t0
-                if seconds is not None:
-                    record.update(seconds=round(seconds, 3), finished=time.strftime("%Y-%m-%d %H:%M:%S"))
-                took = "" if seconds is None else f" in {seconds:.1f} s"
-                log_path = os.path.join(directory, "logs", f"{name}.log")
-                if proc.returncode == 0:
-                    _write_json(os.path.join(directory, "done", f"{name}.json"), record)
-                    failed = os.path.join(directory, "failed", f"{name}.json")
-                    if os.path.exists(failed):
-                        os.remove(failed)
-                    value = final_metric(os.path.join(runs_dir, name), sweep.metric)
-                    results[name] = RunResult(name, params, "done", seconds, 0, "", value)
-                    shown = f" ({sweep.metric}={value:.4g})" if value is not None else ""
-                    print(f"{name}: done{took}{shown}", file=out, flush=True)
-                else:
-                    message = _last_error_line(log_path)
-                    record["error"] = message
-                    _write_json(os.path.join(directory, "failed", f"{name}.json"), record)
-                    results[name] = RunResult(name, params, "failed", seconds, proc.returncode, message)
-                    print(f"{name}: failed (exit {proc.returncode}){took.replace(' in ', ' after ')}: {message} "
-                          f"[log: {log_path}]", file=out, flush=True)
+                results[name] = _finish_run(sweep, directory, runs_dir, name, params, cmd, proc.returncode, t0, out)
     except KeyboardInterrupt:
         for name, _, _, proc, log, _ in running:
             proc.terminate()
@@ -650,6 +627,57 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
     if not dry_run:
         print_runs(ordered, sweep.metric, out)
     return ordered
+
+
+def _start_run(sweep: Sweep, directory: str, runs_dir: str, name: str, params: dict[str, Any], cmd: list[str],
+               env: dict[str, str]) -> tuple[subprocess.Popen, Any, float] | RunResult:
+    """Start one run (its directory cleared, its log opened); ``(process, log, start time)``, or a
+    failed :class:`RunResult` when the command cannot be started."""
+    _prepare_run_dir(directory, runs_dir, name)
+    done_marker = os.path.join(directory, "done", f"{name}.json")
+    if os.path.exists(done_marker):
+        os.remove(done_marker)
+    if "${args_json_file}" in sweep.command:
+        _write_json(os.path.join(directory, "args", f"{name}.json"), params)
+    log = open(os.path.join(directory, "logs", f"{name}.log"), "w")  # noqa: SIM115 - closed when the run ends
+    log.write("$ " + " ".join(_quote(c) for c in cmd) + "\n")
+    log.flush()
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        log.close()
+        message = f"could not start {cmd[0]!r}: {exc}"
+        _write_json(os.path.join(directory, "failed", f"{name}.json"),
+                    {"name": name, "params": params, "command": cmd, "returncode": None, "error": message})
+        return RunResult(name, params, "failed", None, 127, message)
+    return proc, log, time.perf_counter()
+
+
+def _finish_run(sweep: Sweep, directory: str, runs_dir: str, name: str, params: dict[str, Any], cmd: list[str],
+                returncode: int, t0: float, out: Any) -> RunResult:
+    """Record a run that ended: ``done/`` or ``failed/`` (with its duration and end time unless it is
+    a DP run), and a progress line."""
+    record = {"name": name, "params": params, "command": cmd, "returncode": returncode}
+    seconds = None if is_private_run(os.path.join(runs_dir, name)) else time.perf_counter() - t0
+    if seconds is not None:
+        record.update(seconds=round(seconds, 3), finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+    took = "" if seconds is None else f" in {seconds:.1f} s"
+    log_path = os.path.join(directory, "logs", f"{name}.log")
+    if returncode == 0:
+        _write_json(os.path.join(directory, "done", f"{name}.json"), record)
+        failed = os.path.join(directory, "failed", f"{name}.json")
+        if os.path.exists(failed):
+            os.remove(failed)
+        value = final_metric(os.path.join(runs_dir, name), sweep.metric)
+        shown = f" ({sweep.metric}={value:.4g})" if value is not None else ""
+        print(f"{name}: done{took}{shown}", file=out, flush=True)
+        return RunResult(name, params, "done", seconds, 0, "", value)
+    message = _last_error_line(log_path)
+    record["error"] = message
+    _write_json(os.path.join(directory, "failed", f"{name}.json"), record)
+    print(f"{name}: failed (exit {returncode}){took.replace(' in ', ' after ')}: {message} [log: {log_path}]",
+          file=out, flush=True)
+    return RunResult(name, params, "failed", seconds, returncode, message)
 
 
 def _prepare_run_dir(directory: str, runs_dir: str, name: str) -> None:

@@ -370,7 +370,7 @@ def build_parser() -> ArgumentParser:
     add("report", report_parser(), "plots and tables from the CSV logs of runs")
     from dpfl_lightning.audit_cli import audit_parser  # (audit_cli imports this module)
 
-    sub.add_subcommand("audit", audit_parser(), help="empirical privacy audit of a fit config with canary clients")
+    add("audit", audit_parser(), "empirical privacy audit of a fit config with canary clients")
     parser.dpfl_subcommands = commands
     return parser
 

@@ -265,12 +265,20 @@ def one_line(message: str, command: str, options: Iterable[str], commands: Itera
         if found:
             return found
         return "--config: " + " ".join(message.split())[:200] + ". Fix: correct the YAML"
+    m = re.search(r'expected "([^"]+)" to be one of \{([^}]*)\}, but it was not provided', message)
+    if m:
+        choices = ", ".join(commands) if m.group(1) == "command" and commands else m.group(2).replace(",", ", ")
+        return f"no {m.group(1).rsplit('.', 1)[-1].replace('_', ' ')} given. Fix: use one of {choices}"
     m = re.search(r"the following arguments are required: (.*)", message) or \
         re.search(r'Key "([^"]+)" is required', message)
     if m:
         keys = [k.strip().split(".", 1)[-1] for k in m.group(1).split(",")]
-        return f"{', '.join(keys)}: required but not given. Fix: pass --config FILE with {' and '.join(k + ':' for k in keys)} " \
-               f"sections (e.g. configs/quickstart.yaml), or --{keys[0]} ..."
+        if not set(keys) <= {"model", "data"}:
+            return f"{', '.join(keys)}: required but not given. Fix: see dpfl {command} --help"
+        where = "pass --ckpt_path RUN_DIR (the run's config.yaml is read) or --config FILE" \
+            if command in ("validate", "test", "predict") else "pass --config FILE"
+        return f"{', '.join(keys)}: required but not given. Fix: {where} with {' and '.join(k + ':' for k in keys)} " \
+               "sections (e.g. configs/quickstart.yaml)"
     m = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
     if m:
         return explain_key(m.group(1), m.group(2))

@@ -146,6 +146,8 @@ def rewrite_arguments(argv: list[str]) -> list[str]:
     if value_at is None and inline is None:
         return args
     path = args[value_at] if value_at is not None else args[inline].split("=", 1)[1]
+    require(os.path.exists(path), "--ckpt_path", path, "no such file or directory",
+            "give a checkpoint file or a run directory (runs/<run name> or runs/<run name>/version_N)")
     config, checkpoint = resolve_run(path)
     if os.path.isdir(path):
         if checkpoint is None:

@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
-from dpfl_lightning import cli_errors
+from dpfl_lightning import cli_errors, errors
 from dpfl_lightning.comm import launched_with_mpi
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
 
@@ -527,11 +527,13 @@ def _world() -> tuple[int, int, Any]:
     return comm.Get_rank(), comm.Get_size(), comm
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, reported: bool = False) -> None:
     rank, size, comm = _world()
-    prefix = f"dpfl: error{f' (rank {rank})' if size > 1 else ''}: "
-    print(prefix + message, file=sys.stderr, flush=True)
+    if not reported:  # the trainer may have written this rank's line already
+        prefix = f"dpfl: error{f' (rank {rank})' if size > 1 else ''}: "
+        print(prefix + message, file=sys.stderr, flush=True)
     if size > 1:
+        errors.drain_output()  # the line must reach the job's output before the abort ends the launcher
         comm.Abort(code)  # the other ranks may be waiting in a collective: end them too
     sys.exit(code)
 
@@ -601,12 +603,13 @@ def main(argv: list[str] | None = None) -> None:
         _fail("interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear line and a status
         cause = _root_cause(exc)
+        reported = errors.was_reported(exc) or errors.was_reported(cause)
         if isinstance(cause, ConfigError):
-            _fail(str(cause), EXIT_CONFIG)
+            _fail(str(cause), EXIT_CONFIG, reported)
         if isinstance(cause, NonFiniteUpdateError):
-            _fail(str(cause), EXIT_FAILURE)
+            _fail(str(cause), EXIT_FAILURE, reported)
         traceback.print_exc()
-        _fail(f"{type(cause).__name__}: {cause}", EXIT_FAILURE)
+        _fail(f"{type(cause).__name__}: {cause}", EXIT_FAILURE, reported)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -263,12 +263,8 @@ def select_metrics(runs: list[Run], requested: str | list[str] | None = None) ->
         for row in run.rows:
             logged.extend(k for k in row if k not in logged)
     if requested:
-        names = [m.strip() for m in (requested.split(",") if isinstance(requested, str) else requested) if m.strip()]
-        missing = [m for m in names if m not in logged]
-        if missing:
-            raise ConfigError("report --metric", ",".join(missing), "not logged by any run",
-                              f"use one of {', '.join(k for k in logged if k not in _BOOKKEEPING)}")
-        return names
+        return _requested("report --metric", requested, logged,
+                          ", ".join(k for k in logged if k not in _BOOKKEEPING))
     for m in PREFERRED:
         if m in logged:
             return [m]
@@ -282,11 +278,16 @@ def epsilon_columns(runs: list[Run], requested: str | list[str] | None = None) -
                     key=lambda k: (k != "epsilon", k))
     if not requested:
         return logged
+    return _requested("report --epsilon", requested, logged,
+                      ", ".join(logged) or "(none: the runs have no privacy ledger)")
+
+
+def _requested(setting: str, requested: str | list[str], logged: list[str], choices: str) -> list[str]:
+    """The names in ``requested`` (comma-separated or a list); each must be among ``logged``."""
     names = [m.strip() for m in (requested.split(",") if isinstance(requested, str) else requested) if m.strip()]
     missing = [m for m in names if m not in logged]
     if missing:
-        raise ConfigError("report --epsilon", ",".join(missing), "not logged by any run",
-                          f"use one of {', '.join(logged) or '(none: the runs have no privacy ledger)'}")
+        raise ConfigError(setting, ",".join(missing), "not logged by any run", f"use one of {choices}")
     return names
 
 

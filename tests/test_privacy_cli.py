@@ -52,3 +52,11 @@ def test_bad_privacy_input(capsys):
                   "--sampling_rate", "0.1"])
     assert e.value.code == 2
     assert "target_epsilon" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_delta_that_publishes_a_record(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["privacy", "plan", "--epsilon", "3", "--delta", "0.5", "--noise", "[10]"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--delta=0.5" in err and "Fix:" in err

@@ -253,6 +253,13 @@ class FederatedTrainer:
             getattr(p, name)(**kwargs)
 
     # ------------------------------------------------------------------ fit
+    def epsilon(self, delta: float | None = None) -> float:
+        """The run's main epsilon (the one logged as ``epsilon``) after the rounds trained so far, at
+        ``delta`` (default: the ledger's), like Opacus's ``get_epsilon``; ``inf`` for a run without a
+        DP mechanism."""
+        require(self.run is not None, "trainer.epsilon", delta, "no fit has run yet", "call fit() first")
+        return self.run.ledger.epsilon_at(delta) if self.run.ledger is not None else math.inf
+
     def fit(self, module: Any, data: FederatedDataModule, ckpt_path: str | None = None) -> FederatedLightningModule:
         """Train for ``rounds`` rounds (continuing from ``ckpt_path`` if given; ``"last"``: the run's
         newest checkpoint, if there is one); returns the module, whose wrapped LightningModule then

@@ -184,3 +184,18 @@ def test_calibration_inputs_are_checked():
         calibrate_noise(3.0, 1e-5, 10, sampling_rate=math.nan)
     with pytest.raises(ConfigError, match="steps"):
         epsilon(GaussianRelease(1.0, "poisson", 0.1), 2.5, 1e-5)
+
+
+def test_epsilon_of_a_finished_trainer_at_any_delta(log_dir):
+    t = _fit(log_dir, [UpdateClipping(0.5), GaussianNoise(noise_multiplier=2.0), PrivacyLedger(delta=1e-5)], rounds=3)
+    assert t.epsilon() == t.history[-1]["epsilon"]
+    assert t.epsilon(1e-7) == pytest.approx(_rdp([2.0] * 3, 1e-7), rel=1e-9)
+    assert t.epsilon() == t.history[-1]["epsilon"]  # asking at another delta leaves the ledger as it was
+    plain = quiet_trainer(log_dir, rounds=1)
+    plain.fit(TinyClassifier(), tiny_data(num_clients=10))
+    assert plain.epsilon() == math.inf
+
+
+def test_a_useless_noise_level_is_warned_about(log_dir):
+    with pytest.warns(RuntimeWarning, match="noise std is 500x the clip norm"):
+        _fit(log_dir, [UpdateClipping(0.5), GaussianNoise(noise_multiplier=500.0)], rounds=1)

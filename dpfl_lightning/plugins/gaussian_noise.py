@@ -32,6 +32,7 @@ floating-point mitigation of :mod:`dpfl_lightning.rng`.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable
 
 import torch
@@ -47,6 +48,9 @@ from dpfl_lightning.releases import MetricRelease
 #: a Gaussian coordinate exceeds this many standard deviations with probability below 1e-500
 NOISE_TAIL = 50.0
 
+
+#: a noise multiplier this large drowns every update (a warning at the start of training)
+USELESS_MULTIPLIER = 100.0
 
 #: noise multipliers outside this range are refused: below it epsilon is astronomically large (no
 #: guarantee worth the name), above it the noise drowns any update and the accountants overflow
@@ -180,6 +184,13 @@ class GaussianNoise(FederatedCallback):
     def use_noise_multiplier(self, z: float) -> None:
         """Set the calibrated multiplier (``sigma = z C``)."""
         self.noise_multiplier = float(z)
+
+    def on_fit_start(self, *, ctx) -> None:
+        z = self.noise_multiplier if self.std is None else (self.std / self.sensitivity if self._bound else None)
+        if z is not None and z >= USELESS_MULTIPLIER and ctx.is_global_zero:
+            warnings.warn(f"GaussianNoise: the noise std is {z:.4g}x the clip norm, orders of magnitude above any "
+                          "update: the model will learn close to nothing; raise target_epsilon or delta, sample more "
+                          "clients per round, or train fewer rounds", RuntimeWarning, stacklevel=2)
 
     def _mechanism(self, z: float) -> Mechanism:
         c = self.sensitivity

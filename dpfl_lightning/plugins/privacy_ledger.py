@@ -176,6 +176,22 @@ class PrivacyLedger(FederatedCallback):
                                for k in range(len(g.profiles))), default=0.0)
         return out
 
+    def epsilon_at(self, delta: float | None = None) -> float:
+        """The main guarantee's epsilon after the rounds accounted so far, at ``delta`` (default: the
+        ledger's own); ``inf`` without a guarantee."""
+        if not self.guarantees:
+            return math.inf
+        if delta is None or delta == self.delta:
+            return self.epsilons()[self.main]
+        require(isinstance(delta, (int, float)) and 0 < delta < 1, "delta", delta,
+                "must be in (0, 1)", "give a small delta, e.g. 1e-5")
+        saved, cache = self.delta, self._cache
+        self.delta, self._cache = float(delta), {}
+        try:
+            return self.epsilons()[self.main]
+        finally:
+            self.delta, self._cache = saved, cache
+
     def client_epsilon(self, client: int, name: str | None = None) -> float:
         """Epsilon of one client under a per-client guarantee (its own compositions)."""
         index = next(i for i, g in enumerate(self.guarantees) if g.name == (name or self.main))

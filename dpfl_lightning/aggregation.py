@@ -122,6 +122,19 @@ class PayloadAggregator:
     def update_out(self) -> torch.Tensor:
         return self._stage_views[self._staged]["update"]
 
+    def take(self, update: torch.Tensor) -> None:
+        """The current client's update into the current row: no copy when ``update`` is that row (an
+        executor trained into it, see :meth:`update_rows`); another staged row is refused, since it
+        holds a client not yet folded."""
+        out = self.update_out
+        if update.data_ptr() == out.data_ptr() and update.shape == out.shape:
+            return
+        start, size = self._stage.data_ptr(), self._stage.numel() * self._stage.element_size()
+        if start <= update.data_ptr() < start + size:
+            raise RuntimeError("an executor yielded a client whose update sits in another client's row: it must yield "
+                               "the clients of a block of update_rows(n) in row order")
+        out.copy_(update)
+
     @property
     def row(self) -> torch.Tensor:
         return self._stage[self._staged]

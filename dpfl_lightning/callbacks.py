@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, LambdaCallback, LearningRateMonitor, ModelCheckpoint
@@ -29,8 +29,6 @@ from lightning.pytorch.loggers import Logger
 
 from dpfl_lightning.errors import ConfigError
 
-if TYPE_CHECKING:
-    from dpfl_lightning.lightning_compat import LightningRun
 
 #: hooks that Lightning calls per batch (inside a client, on its raw data, in a federated run)
 PER_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -148,7 +146,7 @@ class _CaptureLogger(Logger):
 
 
 class _RoundStrategy:
-    def __init__(self, run: LightningRun) -> None:
+    def __init__(self, run: Any) -> None:  # the run's LightningRun
         self._run = run
 
     @property
@@ -156,11 +154,11 @@ class _RoundStrategy:
         return self._run.module.device
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        comm = self._run.trainer.comm
+        comm = self._run.comm
         return comm.broadcast_object(obj, root=src) if comm is not None and comm.size > 1 else obj
 
     def barrier(self, name: str | None = None) -> None:
-        comm = self._run.trainer.comm
+        comm = self._run.comm
         if comm is not None and comm.size > 1:
             comm.barrier()
 
@@ -168,7 +166,7 @@ class _RoundStrategy:
         return decision  # every rank computes it from the same released row
 
     def remove_checkpoint(self, filepath: str) -> None:
-        if self._run.trainer.is_global_zero and os.path.exists(filepath):
+        if self._run.is_global_zero and os.path.exists(filepath):
             os.remove(filepath)
 
 
@@ -177,11 +175,11 @@ class RoundTrainer:
     module docstring). Attributes a callback reads that a federated run cannot give raise an
     ``AttributeError`` naming them."""
 
-    def __init__(self, run: LightningRun, callbacks: list[Callback], loggers: list[Any]) -> None:
+    def __init__(self, run: Any, callbacks: list[Callback], loggers: list[Any]) -> None:  # run: the LightningRun
         from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
         self._run = run
-        fed = run.trainer
+        fed = run.settings
         first = loggers[0] if loggers else None
         where = (getattr(first, "save_dir", None) or getattr(first, "root_dir", None), getattr(first, "name", None),
                  getattr(first, "version", None)) if first is not None else (fed.log_dir, fed.run_name, None)
@@ -218,7 +216,7 @@ class RoundTrainer:
         self._logger_connector = SimpleNamespace(should_update_logs=False)
 
     def strategy_broadcast(self, obj: Any) -> Any:
-        comm = self._run.trainer.comm
+        comm = self._run.comm
         return comm.broadcast_object(obj, root=0) if comm is not None and comm.size > 1 else obj
 
     def __getattr__(self, name: str) -> Any:
@@ -245,35 +243,35 @@ class RoundTrainer:
 
     @property
     def is_global_zero(self) -> bool:
-        return self._run.trainer.is_global_zero
+        return self._run.is_global_zero
 
     @property
     def global_rank(self) -> int:
-        return self._run.trainer.rank
+        return self._run.comm.rank if self._run.comm is not None else 0
 
     @property
     def local_rank(self) -> int:
-        comm = self._run.trainer.comm
+        comm = self._run.comm
         return comm.local_rank if comm is not None else 0
 
     @property
     def world_size(self) -> int:
-        return self._run.trainer.world_size
+        return self._run.comm.size if self._run.comm is not None else 1
 
     @property
     def log_dir(self) -> str | None:
-        return getattr(self._run.trainer, "csv_log_dir", None)
+        return self._run.status.csv_log_dir
 
     @property
     def should_stop(self) -> bool:
-        return self._run.trainer.should_stop
+        return self._run.status.should_stop
 
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
-        fed = self._run.trainer
-        if value and not fed.should_stop:
+        status = self._run.status
+        if value and not status.should_stop:
             names = ", ".join(type(cb).__name__ for cb in self.callbacks if isinstance(cb, EarlyStopping)) or "a callback"
-            fed.stop(f"{names} stopped the run after round {self.current_epoch + 1}")
+            status.stop(f"{names} stopped the run after round {self.current_epoch + 1}")
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -97,8 +97,9 @@ class ClientContext:
 
     ``payload`` holds the client's named segments (modify them in place in ``on_client_end``);
     ``state`` is the client's own state, which lives on the rank that trains it and is
-    checkpointed by client id. ``replay`` is true when ``on_client_end`` runs a second time for a
-    client whose update was not finite, on a zero update: stateful plugins must not update twice.
+    checkpointed by client id. ``skipped`` is true when the client's update was not finite: it is
+    replaced by zeros before any ``on_client_end`` runs, so plugins process (bound, noise) a zero
+    update, once, and stateful plugins leave the client's state as it was.
     """
 
     client: int
@@ -111,8 +112,7 @@ class ClientContext:
     num_samples: int = 0
     steps: int = 0
     lr: float = 0.0
-    replay: bool = False
-    checked_finite: set[str] = field(default_factory=set)  # segments a bounding plugin found finite
+    skipped: bool = False
     scratch: dict[str, Any] = field(default_factory=dict)  # plugins' working space for this client and round
 
 

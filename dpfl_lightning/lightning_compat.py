@@ -190,7 +190,7 @@ checkpoints (``round-*.ckpt``, ``last.ckpt``) load the same way; a DP run's with
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
@@ -201,13 +201,16 @@ from dpfl_lightning.schedule import RoundEnd, ScheduleCursor, merge_end
 from dpfl_lightning.plan import RoundPlan, batch_shape
 
 if TYPE_CHECKING:
+    from dpfl_lightning.comm import Communicator
     from dpfl_lightning.data.module import FederatedDataModule
-    from dpfl_lightning.trainer import FederatedTrainer
+    from dpfl_lightning.releases import ReleaseList
+    from dpfl_lightning.run.status import RunStatus
+    from dpfl_lightning.settings import TrainerSettings
 
 
-def mixed16_needs_cuda(trainer: FederatedTrainer) -> None:
+def mixed16_needs_cuda(settings: TrainerSettings) -> None:
     """``16-mixed`` is refused on CPU (float16 autocast with a loss scaler is a CUDA feature)."""
-    if not trainer._wants_cuda():
+    if not settings.wants_cuda():
         raise ConfigError("trainer.precision", "16-mixed", "float16 autocast with loss scaling needs CUDA, and this "
                           "run trains on CPU", "use precision='bf16-mixed' (CPU and CUDA) or '32'")
 
@@ -238,10 +241,18 @@ def _uses_dpsgd(plugins: list[Any]) -> bool:
 
 class LightningRun:
     """The Lightning side of one ``FederatedTrainer.fit``: run-level hooks, callbacks, the schedule's
-    reference and the checks of what cannot run. The trainer calls it at fixed points of ``fit``."""
+    reference and the checks of what cannot run. The trainer calls it at fixed points of ``fit``;
+    ``save_checkpoint(path, epoch, global_step)`` writes the global model as a Lightning checkpoint
+    (for ``ModelCheckpoint``). :meth:`attach` gives it the run's communicator, release list and status
+    once the run is built."""
 
-    def __init__(self, trainer: FederatedTrainer, module: FederatedLightningModule, data: FederatedDataModule) -> None:
-        self.trainer, self.module, self.data = trainer, module, data
+    def __init__(self, settings: TrainerSettings, module: FederatedLightningModule, data: FederatedDataModule,
+                 callbacks: list[Any], plugins: list[Any], save_checkpoint: Callable[[str, int, int], Any]) -> None:
+        self.settings, self.module, self.data = settings, module, data
+        self._save_checkpoint = save_checkpoint
+        self.comm: Communicator | None = None
+        self.releases: ReleaseList | None = None
+        self.status: RunStatus | None = None
         self.rounds_done = 0
         self.round_idx = 0
         self.adapter: RoundTrainer | None = None
@@ -249,7 +260,7 @@ class LightningRun:
         self._plateau_warned: set[str] = set()
         self._said: set[str] = set()
         inner = module.inner
-        callbacks = list(trainer.callbacks)
+        callbacks = list(callbacks)
         if is_overridden(inner, "configure_callbacks"):
             extra = inner.configure_callbacks()
             extra = [extra] if extra is not None and not isinstance(extra, (list, tuple)) else list(extra or [])
@@ -257,76 +268,83 @@ class LightningRun:
         check_callbacks(callbacks)
         self.callbacks = callbacks
         self.saved_callback_states: dict[str, Any] = {}  # from a checkpoint, loaded after their setup
-        if trainer.precision == "16-mixed":
-            mixed16_needs_cuda(trainer)
+        if settings.precision == "16-mixed":
+            mixed16_needs_cuda(settings)
         manual = not bool(getattr(inner, "automatic_optimization", True))
         if manual:
-            require(not trainer.gradient_clip_val, "trainer.gradient_clip_val", trainer.gradient_clip_val,
+            require(not settings.gradient_clip_val, "trainer.gradient_clip_val", settings.gradient_clip_val,
                     "automatic gradient clipping is not supported with manual optimization (as in Lightning)",
                     "call self.clip_gradients(opt, gradient_clip_val=...) in training_step, or remove the setting")
-            require(trainer.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
-                    trainer.accumulate_grad_batches, "automatic gradient accumulation is not supported with manual "
+            require(settings.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
+                    settings.accumulate_grad_batches, "automatic gradient accumulation is not supported with manual "
                     "optimization (as in Lightning)", "accumulate in training_step, or remove the setting")
-        if _uses_dpsgd(trainer.plugins):
+        if _uses_dpsgd(plugins):
             # (a configure_gradient_clipping override runs, with no value to clip at; clipping at a value
             # through self.clip_gradients is refused at the step that does it)
-            require(not trainer.gradient_clip_val, "trainer.gradient_clip_val", trainer.gradient_clip_val,
+            require(not settings.gradient_clip_val, "trainer.gradient_clip_val", settings.gradient_clip_val,
                     "DPSGD clips every record's gradient at max_grad_norm and ignores the batch gradient, so local "
                     "gradient clipping would have no effect", "remove it (DPSGD(max_grad_norm=...) is the bound)")
-            require(trainer.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
-                    trainer.accumulate_grad_batches, "DPSGD's accountant counts one noisy step per sampled batch; "
+            require(settings.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
+                    settings.accumulate_grad_batches, "DPSGD's accountant counts one noisy step per sampled batch; "
                     "accumulating k batches would make one step of k batches",
                     "use a k times larger batch_size instead")
-            require(trainer.precision != "16-mixed", "trainer.precision", "16-mixed", "the loss scaler would scale "
+            require(settings.precision != "16-mixed", "trainer.precision", "16-mixed", "the loss scaler would scale "
                     "the per-record gradients that DPSGD clips at max_grad_norm", "use 'bf16-mixed' or '32' with DPSGD")
-        executor = getattr(trainer.executor, "name", "sequential")
+        executor = settings.executor
         if executor != "sequential":
             wanted = [name for name, on in (
-                ("gradient_clip_val", bool(trainer.gradient_clip_val)),
-                ("accumulate_grad_batches", trainer.accumulate_grad_batches != 1),
-                ("precision", trainer.precision != "32-true"),
+                ("gradient_clip_val", bool(settings.gradient_clip_val)),
+                ("accumulate_grad_batches", settings.accumulate_grad_batches != 1),
+                ("precision", settings.precision != "32-true"),
                 ("on_train_epoch_start/end", is_overridden(inner, "on_train_epoch_start")
                  or is_overridden(inner, "on_train_epoch_end"))) if on]
             require(not wanted, "trainer.executor", executor, f"the vectorised step runs only training_step and an "
                     f"elementwise optimizer, not {', '.join(wanted)}", "use executor='sequential'")
         module.configure_loop(LoopSettings(
-            rounds=trainer.rounds, accumulate_grad_batches=trainer.accumulate_grad_batches,
-            gradient_clip_val=trainer.gradient_clip_val or None, gradient_clip_algorithm=trainer.gradient_clip_algorithm,
-            precision=trainer.precision, eval_every=trainer.eval_every, log_dir=trainer.log_dir),
+            rounds=settings.rounds, accumulate_grad_batches=settings.accumulate_grad_batches,
+            gradient_clip_val=settings.gradient_clip_val or None, gradient_clip_algorithm=settings.gradient_clip_algorithm,
+            precision=settings.precision, eval_every=settings.eval_every, log_dir=settings.log_dir),
             datamodule=getattr(data, "datamodule", None))
 
     # ------------------------------------------------------------------ set-up
-    def check(self) -> None:
+    def attach(self, comm: Communicator, releases: ReleaseList, status: RunStatus) -> None:
+        self.comm, self.releases, self.status = comm, releases, status
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.comm is None or self.comm.rank == 0
+
+    def check(self, plugins: list[Any]) -> None:
         """After the run is built: the reference client's steps, ``configure_optimizers``, data settings."""
-        trainer, module, data = self.trainer, self.module, self.data
-        plan = RoundPlan(0, (), trainer.local_steps, trainer.local_epochs, trainer.batch_size)
-        k = trainer.accumulate_grad_batches if module.automatic_optimization else 1
+        settings, module, data = self.settings, self.module, self.data
+        plan = RoundPlan(0, (), settings.local_steps, settings.local_epochs, settings.batch_size)
+        k = settings.accumulate_grad_batches if module.automatic_optimization else 1
         sizes = sorted({data.client_num_samples(c) for c in range(data.num_clients)})
         steps = set()
         for n in sizes:
             total = plan.steps_for(n)
-            steps.add(optimizer_steps_per_round(total, batch_shape(n, trainer.batch_size)[1], k))
+            steps.add(optimizer_steps_per_round(total, batch_shape(n, settings.batch_size)[1], k))
         module.loop.steps_reference = max(steps)
         self.steps_differ = len(steps) > 1
         shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client
-        shim.estimated_stepping_batches = trainer.rounds * module.loop.steps_reference
+        shim.estimated_stepping_batches = settings.rounds * module.loop.steps_reference
         opts, scheds = module.check_optimizers()
-        if _uses_dpsgd(trainer.plugins):
+        if _uses_dpsgd(plugins):
             require(len(opts) == 1, "model.configure_optimizers", f"{len(opts)} optimizers", "DPSGD's accountant "
                     "counts one noisy step per sampled batch; a second DP optimizer would release every batch twice",
                     "train with one optimizer under DPSGD")
         self._check_data()
 
     def _check_data(self) -> None:
-        data, trainer = self.data, self.trainer
+        data, settings = self.data, self.settings
         info = getattr(data, "train_loader_info", None) or {}
         bs = info.get("batch_size")
-        if bs is not None and trainer.batch_size is not None and bs != trainer.batch_size and trainer.is_global_zero:
+        if bs is not None and settings.batch_size is not None and bs != settings.batch_size and self.is_global_zero:
             warnings.warn(f"data: the DataModule's train_dataloader has batch_size={bs}; clients train with "
-                          f"trainer.batch_size={trainer.batch_size} (set it to {bs} to keep the DataModule's)",
+                          f"trainer.batch_size={settings.batch_size} (set it to {bs} to keep the DataModule's)",
                           UserWarning, stacklevel=3)
         sampler = info.get("sampler")
-        if sampler is not None and trainer.is_global_zero:
+        if sampler is not None and self.is_global_zero:
             warnings.warn(f"data: the DataModule's train_dataloader sampler ({sampler}) is not used: each client "
                           "draws its own batches from its own records (shuffled, or as DP-SGD's accountant assumes)",
                           UserWarning, stacklevel=3)
@@ -348,7 +366,7 @@ class LightningRun:
     def fit_start(self, loggers: list[Any], start_round: int) -> None:
         inner = self.module.inner
         self.rounds_done = self.round_idx = start_round
-        for r, row in enumerate(self.trainer.history):  # a resumed run: ReduceLROnPlateau's past inputs
+        for r, row in enumerate(self.status.history):  # a resumed run: ReduceLROnPlateau's past inputs
             self.module.record_round(int(row.get("round", r + 1)) - 1, row)
         self.module.load_schedule_state(self.saved_callback_states.get(_SCHEDULE_KEY, []))
         if self.callbacks:
@@ -361,7 +379,7 @@ class LightningRun:
             self.adapter.call("on_fit_start")
         inner.on_fit_start()
         eval_modules = [name for name, m in inner.named_modules() if not m.training]
-        if eval_modules and self.trainer.is_global_zero:  # lightning.Trainer's own warning, at the same point
+        if eval_modules and self.is_global_zero:  # lightning.Trainer's own warning, at the same point
             warnings.warn(f"Found {len(eval_modules)} module(s) in eval mode at the start of training. This may lead to "
                           "unexpected behavior during training. If this is intentional, you can ignore this warning.",
                           PossibleUserWarning, stacklevel=2)
@@ -379,9 +397,8 @@ class LightningRun:
     def round_end(self, round_idx: int, metrics: dict[str, float], kinds: dict[str, str]) -> dict[str, float]:
         """The round's released row: callbacks' logs merged in, then filtered; callbacks and the
         schedules see only it."""
-        trainer, module = self.trainer, self.module
-        releases = trainer.run.releases
-        evaluated = (round_idx + 1) % trainer.eval_every == 0 or round_idx + 1 == trainer.rounds
+        module, releases = self.module, self.releases
+        evaluated = self.settings.is_evaluation_round(round_idx)
         self._merge_logs(metrics, kinds)
         row = releases.filter(metrics, kinds)
         self.rounds_done = round_idx + 1
@@ -405,13 +422,13 @@ class LightningRun:
         the schedule alone does not give, the next round's clients continue from it (one Lightning
         run's position; see :mod:`dpfl_lightning.schedule`); not in a DP run. Otherwise the run says,
         once, what differs from lightning.Trainer."""
-        module, trainer = self.module, self.trainer
+        module = self.module
         ends = module.round_ends_of_clients()
-        if trainer.private:
+        if self.releases.private:
             if any(end is not None for end in ends.values()):
                 self._say("private")
             return
-        comm = trainer.comm
+        comm = self.comm
         if comm is not None and comm.size > 1:
             parts, ends = comm.allgather_object(ends), {}
             for part in parts:
@@ -448,7 +465,7 @@ class LightningRun:
         for cfg in scheds:
             if not cfg.reduce_on_plateau or cfg.monitor in row or not evaluated:
                 continue
-            releases = self.trainer.run.releases
+            releases = self.releases
             why = f"the round released {sorted(row)}"
             if releases.private and not releases.opt_in:
                 why += " (this DP run withholds what training_step logs: un-noised statistics of client data)"
@@ -511,4 +528,4 @@ class LightningRun:
 
     def save_lightning_checkpoint(self, path: str, epoch: int, global_step: int) -> None:
         """The global model as a Lightning checkpoint (rank 0 writes; every rank calls this)."""
-        self.trainer.save_lightning_checkpoint(path, epoch, global_step)
+        self._save_checkpoint(path, epoch, global_step)

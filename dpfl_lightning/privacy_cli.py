@@ -18,7 +18,7 @@ from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.privacy.planning import PrivacyPlanner
 from dpfl_lightning.privacy.theory import scaffnew_optimal
 from dpfl_lightning.rng import RandomSource
-from dpfl_lightning.run_setup import prepare_privacy, setup_plugins
+from dpfl_lightning.run.setup import prepare_privacy, setup_plugins
 from dpfl_lightning.sampling import ClientSampler
 
 
@@ -28,18 +28,18 @@ def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: floa
     calibration) and return the ledger, without laying out the model or any training. ``model``
     (the user's module, as configured) gives the parameter count ``d`` that some mechanisms scale
     with (CDP-FedEXP's xi); without it they refuse to plan."""
-    trainer.comm = trainer.comm or LocalCommunicator()
-    ledger = next((p for p in trainer.plugins if isinstance(p, PrivacyLedger)), None)
+    plugins = list(trainer.plugins)  # the trainer is read, not changed
+    ledger = next((p for p in plugins if isinstance(p, PrivacyLedger)), None)
     if ledger is None and (accountant is not None or delta is not None):
         ledger = PrivacyLedger()
-        trainer.plugins.append(ledger)
+        plugins.append(ledger)
     if accountant is not None:
         ledger.accountant = accountant
     if delta is not None:
         ledger.delta = delta
     d = sum(p.numel() for p in model.parameters()) if model is not None else 0
-    ctx = prepare_privacy(trainer, data, num_parameters=d or None)
-    return setup_plugins(trainer, ctx) or PrivacyLedger()
+    ctx = prepare_privacy(trainer.settings, trainer.comm or LocalCommunicator(), data, num_parameters=d or None)
+    return setup_plugins(plugins, ctx)[1] or PrivacyLedger()
 
 
 def _print_epsilon(trainer: Any, ledger: PrivacyLedger) -> None:

@@ -105,3 +105,14 @@ class ReleaseList:
                          "and the log files' modification times still say when each round ended, which depends on "
                          "the cohort's data; give the logs to untrusted readers without their clocks")
         return lines
+
+
+class MetricKinds(dict):
+    """The release kind of every metric key a run has produced (``public``, ``evaluation``,
+    ``unaccounted``, ...), which :meth:`ReleaseList.filter` reads."""
+
+    def tag(self, metrics: dict[str, float], kind: str) -> dict[str, float]:
+        """Record ``kind`` for every key of ``metrics``; return ``metrics``."""
+        for key in metrics:
+            self[key] = kind
+        return metrics

@@ -1,8 +1,15 @@
-"""Input checks of :class:`~dpfl_lightning.FederatedTrainer`: one clear error per bad setting."""
+"""The settings of :class:`~dpfl_lightning.FederatedTrainer`: one frozen, typed object, built once
+from the trainer's arguments with one clear error per bad setting. Every part of a run reads the
+settings it needs from here; none of them sees the trainer."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from dpfl_lightning.errors import ConfigError, require
 
@@ -28,7 +35,7 @@ def normalize_precision(value: object) -> str:
     raise ConfigError("trainer.precision", value, "unknown precision", "use '32', 'bf16-mixed' or '16-mixed' (CUDA)")
 
 
-def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:
+def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:  # noqa: C901 - one require per setting
     """Validate the trainer's arguments; return them with the defaults that depend on others filled
     in (``local_epochs`` when neither it nor ``local_steps`` is set, ``sampling``)."""
     require(isinstance(s["rounds"], int) and s["rounds"] >= 1, "trainer.rounds", s["rounds"], "must be an integer >= 1",
@@ -78,3 +85,84 @@ def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:
         else:
             s["sampling"] = "uniform"
     return s
+
+
+EXECUTOR_NAMES = ("sequential", "vmap")
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Every scalar setting of a run (see :class:`~dpfl_lightning.FederatedTrainer` for their meaning),
+    checked, with the defaults that depend on others filled in."""
+
+    rounds: int = 10
+    clients_per_round: int | None = None
+    sampling: str | None = None
+    sampling_rate: float | None = None
+    local_epochs: int | None = None
+    local_steps: int | None = None
+    batch_size: int | None = 32
+    client_lr_decay: float = 1.0
+    normalize_update_by_lr: bool = False
+    weighting: str = "uniform"
+    eval_every: int = 1
+    eval_per_client: bool = False
+    seed: int = 0
+    secure: bool = False
+    accelerator: str = "auto"
+    communicator: str = "auto"
+    num_threads: int | None = None
+    exact_aggregation: bool = True
+    deterministic: bool = False
+    on_nonfinite: str = "raise"
+    log_dir: str = "runs"
+    run_name: str | None = None
+    enable_progress_bar: bool = True
+    enable_summary: bool = True
+    checkpoint_every: int | None = None
+    checkpoint_dir: str | None = None
+    executor: str = "sequential"
+    log_client_metrics: bool | None = None
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
+    accumulate_grad_batches: int = 1
+    precision: str | int = "32"
+    final_checkpoint: bool = False
+    test_after_fit: bool = False
+
+    @classmethod
+    def build(cls, arguments: dict[str, Any], algorithm: Any = None) -> TrainerSettings:
+        """The checked settings of ``FederatedTrainer(**arguments)``; the algorithm preset may ask for
+        updates in units of gradients and names the run."""
+        s = check_trainer_settings(dict(arguments))
+        require(s["executor"] in EXECUTOR_NAMES, "trainer.executor", s["executor"], "unknown executor",
+                f"use one of {', '.join(EXECUTOR_NAMES)}")
+        s["seed"] = int(s["seed"])
+        s["client_lr_decay"] = float(s["client_lr_decay"])
+        s["normalize_update_by_lr"] = bool(s["normalize_update_by_lr"]
+                                           or getattr(algorithm, "normalize_update_by_lr", False))
+        s["run_name"] = s["run_name"] or (getattr(algorithm, "name", None) or "dpfl")
+        s["checkpoint_dir"] = s["checkpoint_dir"] or os.path.join(s["log_dir"], s["run_name"], "checkpoints")
+        return cls(**{f.name: s[f.name] for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+    def wants_cuda(self) -> bool:
+        """Whether the run trains on CUDA (``accelerator=cuda`` without CUDA is refused)."""
+        if self.accelerator in ("cuda", "gpu"):
+            if not torch.cuda.is_available():
+                raise ConfigError("trainer.accelerator", self.accelerator, "CUDA is not available on this machine",
+                                  "use accelerator=auto or cpu")
+            return True
+        return self.accelerator == "auto" and torch.cuda.is_available()
+
+    def is_evaluation_round(self, round_idx: int) -> bool:
+        """Whether round ``round_idx`` (0-based) ends with an evaluation (every ``eval_every``, and the last)."""
+        return (round_idx + 1) % self.eval_every == 0 or round_idx + 1 == self.rounds
+
+    def is_checkpoint_round(self, round_idx: int, stopping: bool) -> bool:
+        """Whether round ``round_idx`` writes a checkpoint (an early stop keeps its last round)."""
+        return bool(self.checkpoint_every) and ((round_idx + 1) % self.checkpoint_every == 0
+                                                or round_idx + 1 == self.rounds or stopping)

@@ -40,7 +40,7 @@ class SecondVector(FederatedCallback):
         return [Mechanism.gaussian("SecondVector", self.std, self._bound(), "central", ("dc",))]
 
     def on_client_end(self, *, client):
-        if not client.replay:
+        if not client.skipped:
             client.payload["dc"].copy_(client.payload["update"]).mul_(0.5)
 
     def on_aggregate(self, *, server):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfl_lightning import ConfigError
+from dpfl_lightning.errors import NonFiniteUpdateError
 from dpfl_lightning.data import QuadraticClients, quadratic_problem
 from dpfl_lightning.models import QuadraticModel
 from dpfl_lightning.plugins import DPSGD, FederatedCallback, GaussianNoise, PrivacyLedger, UpdateClipping
@@ -216,26 +217,21 @@ class _Poisonable(TinyClassifier):
         return loss * float("nan") if self.poisoned else loss
 
 
-@pytest.mark.parametrize("where", ["training", "warm_start", "after_scaffold"])
+@pytest.mark.parametrize("where", ["training", "warm_start"])
 def test_skipped_non_finite_client_keeps_its_control_variate(log_dir, where):
-    # the client's training diverges (its dc is not finite; also in the warm start's second round),
-    # or a plugin after SCAFFOLD makes its payload non-finite (its dc was finite and committed, then
-    # the client is skipped)
+    # the client's training diverges (also in the warm start's second round): the client is skipped
+    # before SCAFFOLD sees it, which then sends dc = 0 and keeps c_i
     bad_client, bad_round = 2, 1
     snapshots = []
 
     class PoisonOnce(FederatedCallback):
-        order = 50 if where == "after_scaffold" else 0  # SCAFFOLD's on_client_end runs at 41
+        order = 0
 
         def _hit(self, client):
             return (client.client, client.round_idx) == (bad_client, bad_round)
 
         def on_client_start(self, *, client):
-            client.model.poisoned = where != "after_scaffold" and self._hit(client)
-
-        def on_client_end(self, *, client):
-            if where == "after_scaffold" and self._hit(client) and not client.replay:
-                client.payload["update"][0] = float("inf")
+            client.model.poisoned = self._hit(client)
 
     class Snapshot(FederatedCallback):
         order = 999
@@ -254,6 +250,22 @@ def test_skipped_non_finite_client_keeps_its_control_variate(log_dir, where):
     assert torch.isfinite(scaffold.c).all() and torch.isfinite(module.global_params).all()
     assert torch.allclose(scaffold.c, sum(c_is) / 4, rtol=0, atol=1e-9 * float(scaffold.c.abs().max()))
     assert all(math.isfinite(h["my_train_loss"]) for h in t.history[bad_round + 1:])
+
+
+def test_a_plugin_that_makes_a_finite_update_non_finite_stops_the_round(log_dir):
+    # a client's finite update is checked before the plugins run; a plugin that writes inf into it
+    # afterwards is a broken plugin: the aggregation refuses the round, nothing is applied
+    class BreakAfterScaffold(FederatedCallback):
+        order = 50  # SCAFFOLD's on_client_end runs at 41
+
+        def on_client_end(self, *, client):
+            if (client.client, client.round_idx) == (2, 1):
+                client.payload["update"][0] = float("inf")
+
+    t = quiet_trainer(log_dir, rounds=3, on_nonfinite="skip", plugins=[SCAFFOLD(), BreakAfterScaffold()])
+    with pytest.raises(NonFiniteUpdateError, match="after the finite check"):
+        t.fit(_Poisonable(), tiny_data(num_clients=4))
+    assert len(t.history) == 1  # round 2 was not applied
 
 
 class _StepDecay(TinyClassifier):

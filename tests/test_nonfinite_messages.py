@@ -52,7 +52,7 @@ class NonFiniteAfterNoise(FederatedCallback):
     order = 10_000
 
     def on_client_end(self, *, client) -> None:
-        if client.replay:
+        if client.skipped:
             client.payload["update"][0] = float("nan")
 
 

@@ -1,17 +1,18 @@
 """How a rank trains its share of a round's cohort: the executor interface.
 
 The trainer hands an executor a :class:`RoundWork`: the module, the data, the round plan, the
-clients of this rank, the run's random source, where each client's update goes, and three
-callbacks that open a client's context (running the plugins' ``on_client_start``) and build the
-per-step hook and optimizer wrapper of the plugins. The executor trains each client as the plan
-says and yields it as soon as its update is written, so the trainer can process (bound, noise,
-aggregate) one client while the next one trains. Executors never see plugins or the trainer.
+clients of this rank, the run's random source, the client hooks (which open a client's context,
+running the plugins' ``on_client_start``, and build the plugins' per-step hook and optimizer
+wrapper) and where update rows may be taken from. The executor trains each client as the plan says
+and yields a :class:`TrainedClient` as soon as its update is written, so the client can be
+processed (bound, noise, aggregate) while the next one trains. Executors never see plugins or the
+trainer, and call nothing of either: a client's update flows one way, out of the executor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -26,24 +27,45 @@ if TYPE_CHECKING:
     from dpfl_lightning.plan import RoundPlan
 
 
+class ClientHooks(Protocol):
+    """What an executor calls around a client's local training (the run's client phase gives it)."""
+
+    def open(self, client: int) -> ClientContext: ...
+
+    def step_hook(self, ctx: ClientContext) -> Callable[[torch.optim.Optimizer], None] | None: ...
+
+    def optimizer_wrapper(self, ctx: ClientContext) -> Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None: ...
+
+
+@dataclass
+class TrainedClient:
+    """One trained client: its ``position`` in :attr:`RoundWork.clients`, its context, what its local
+    training did, and ``update`` (local minus global model, ``[d]``)."""
+
+    position: int
+    context: ClientContext
+    run: ClientRun
+    update: torch.Tensor
+
+    @property
+    def client(self) -> int:
+        return self.context.client
+
+
 @dataclass
 class RoundWork:
-    """One round of one rank: train ``clients`` as ``plan`` says; the update of the ``k``-th client
-    (local model minus global model) goes into ``out(k)``. An executor that computes several
-    clients' updates at once may ask ``out_rows(n)`` for one ``[n, d]`` tensor to write them into
-    instead: its ``j``-th row is then the update of the ``j``-th of the next ``n`` clients it yields
-    (``None`` when the trainer has no such block free; then ``out(k)`` per client)."""
+    """One round of one rank: train ``clients`` as ``plan`` says. ``rows(n)`` offers one ``[n, d]``
+    block of the aggregator's next rows to train into (``None`` when it has no such block free): an
+    executor that takes it yields the clients of rows ``0 .. n-1`` in that order with ``update`` the
+    row, and the aggregator takes each row without a copy; any other ``update`` tensor is copied."""
 
     module: FederatedLightningModule
     data: FederatedDataModule
     plan: RoundPlan
     clients: list[int]
     random: rng.RandomSource
-    out: Callable[[int], torch.Tensor]
-    open_client: Callable[[int], ClientContext]
-    step_hook: Callable[[ClientContext], Callable[[torch.optim.Optimizer], None] | None]
-    optimizer_wrapper: Callable[[ClientContext], Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None]
-    out_rows: Callable[[int], torch.Tensor | None] = lambda n: None
+    hooks: ClientHooks
+    rows: Callable[[int], torch.Tensor | None] = lambda n: None
 
     def batches(self, client: int) -> Iterator[tuple[int, int, Any]]:
         """The client's ``(epoch, batch_idx, batch)`` stream under the plan: shuffles from the
@@ -70,6 +92,6 @@ class Executor:
         """Refuse, with the reason, what this executor cannot run. ``changes_local_steps`` names the
         plugins that wrap optimizers or change gradients inside local steps."""
 
-    def train(self, work: RoundWork) -> Iterator[tuple[int, ClientContext, ClientRun]]:
-        """Yield ``(k, context, run)`` for every client of ``work`` once ``work.out(k)`` holds its update."""
+    def train(self, work: RoundWork) -> Iterator[TrainedClient]:
+        """Yield a :class:`TrainedClient` for every client of ``work`` once its update is written."""
         raise NotImplementedError

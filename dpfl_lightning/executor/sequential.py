@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch
 
-from dpfl_lightning.executor.base import Executor, RoundWork
+from dpfl_lightning.executor.base import Executor, RoundWork, TrainedClient
 
 
 class SequentialExecutor(Executor):
@@ -15,17 +15,19 @@ class SequentialExecutor(Executor):
 
     name = "sequential"
 
-    def train(self, work: RoundWork) -> Iterator:
-        module, plan = work.module, work.plan
+    def train(self, work: RoundWork) -> Iterator[TrainedClient]:
+        module, plan, hooks = work.module, work.plan, work.hooks
         for k, client in enumerate(work.clients):
             if k % 32 == 0:
                 work.random.prepare_torch(plan.round_idx, work.clients[k : k + 32])
             module.load_global()
-            ctx = work.open_client(client)
+            ctx = hooks.open(client)
             work.random.seed_torch(plan.round_idx, client, module.device)
             per_round, per_epoch = work.local_batches(client)
-            run = module.fit_client(work.batches(client), plan.round_idx, plan.lr_factor, work.step_hook(ctx),
-                                    work.optimizer_wrapper(ctx), batches_per_round=per_round,
+            run = module.fit_client(work.batches(client), plan.round_idx, plan.lr_factor, hooks.step_hook(ctx),
+                                    hooks.optimizer_wrapper(ctx), batches_per_round=per_round,
                                     batches_per_epoch=per_epoch)
-            torch.sub(module.working, module.global_params, out=work.out(k))
-            yield k, ctx, run
+            rows = work.rows(1)
+            update = rows[0] if rows is not None else torch.empty_like(module.global_params)
+            torch.sub(module.working, module.global_params, out=update)
+            yield TrainedClient(k, ctx, run, update)

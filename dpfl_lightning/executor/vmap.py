@@ -13,7 +13,7 @@ from torchmetrics import Metric
 
 from dpfl_lightning import optimizer_calls
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.executor.base import Executor, RoundWork
+from dpfl_lightning.executor.base import Executor, RoundWork, TrainedClient
 from dpfl_lightning.module import ClientRun, parse_optimizers, step_loss
 from dpfl_lightning.plan import batch_shape
 
@@ -226,7 +226,7 @@ class VmapExecutor(Executor):
         loss, logged = torch.func.functional_call(self._step, params, (batch,), tie_weights=False)
         return loss, logged
 
-    def train(self, work: RoundWork) -> Iterator:
+    def train(self, work: RoundWork) -> Iterator[TrainedClient]:
         data = work.data
         groups: dict[int, list[int]] = defaultdict(list)  # clients of equal size have stackable batches
         for k, c in enumerate(work.clients):
@@ -255,14 +255,14 @@ class VmapExecutor(Executor):
         rows = torch.gather(idx.unsqueeze(1).expand(-1, passes, -1), 2, perms)
         return rows.reshape(len(clients), passes * n), bs, steps
 
-    def _train_chunk(self, work: RoundWork, positions: list[int]) -> Iterator:
+    def _train_chunk(self, work: RoundWork, positions: list[int]) -> Iterator[TrainedClient]:
         module, plan, data = work.module, work.plan, work.data
         clients = [work.clients[k] for k in positions]
         n_clients = len(clients)
-        contexts = [work.open_client(c) for c in clients]
+        contexts = [work.hooks.open(c) for c in clients]
         # every client starts at the global model; trained in place in the trainer's rows when it has
         # them free (each row then already holds its client's update, no copy)
-        block = work.out_rows(n_clients)
+        block = work.rows(n_clients)
         flat = block if block is not None else module.global_params.new_empty(n_clients, module.global_params.numel())
         flat.copy_(module.global_params.expand(n_clients, -1))
         params = [flat[:, o : o + size].view(n_clients, *shape) for (o, size), shape in zip(self._slices, self._shapes)]
@@ -334,7 +334,5 @@ class VmapExecutor(Executor):
             logged.step_level = False
         lr = float(groups[0]["lr"])
         flat.sub_(module.global_params)  # every client's update, in one operation
-        for j, k in enumerate(positions):
-            if block is None:
-                work.out(k).copy_(flat[j])
-            yield k, contexts[j], ClientRun(steps=steps, samples=samples, lr=lr)
+        for j, k in enumerate(positions):  # in row order: the clients of a block take its rows in turn
+            yield TrainedClient(k, contexts[j], ClientRun(steps=steps, samples=samples, lr=lr), flat[j])

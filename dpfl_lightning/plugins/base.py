@@ -11,7 +11,8 @@ order). A round runs::
         on_client_end(client)               bound, noise, randomize ``client.payload`` in place
     one exact all-reduce of every segment of every client's payload
     on_aggregate(server)                noise on the sums (central), read extra sums
-    on_server_update(server)            scale / apply ``server.update`` (the mean update)
+    on_server_update(server)            scale ``server.update`` (the mean update), control variates
+    the server optimizer's step         the one place the global model moves
     evaluation
     on_round_end(server, metrics)       account, add metrics (declared in ``released_metrics``)
 
@@ -115,8 +116,9 @@ class FederatedCallback:
         """Gradients of one local step are ready; a plugin may change them (control variates)."""
 
     def on_client_end(self, *, client: ClientContext) -> None:
-        """The client finished: modify ``client.payload`` in place (clip, normalize, noise). With
-        ``client.replay`` the update was not finite and this runs again on a zero update."""
+        """The client finished: modify ``client.payload`` in place (clip, normalize, noise). Runs once
+        per client and round; with ``client.skipped`` its update was not finite and was replaced by
+        zeros before any plugin saw it (leave its per-client state as it was)."""
 
     def on_aggregate(self, *, server: ServerContext) -> None:
         """The cohort's sums are in ``server.aggregate``; modify them in place (central noise)."""

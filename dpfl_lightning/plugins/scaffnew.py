@@ -150,8 +150,8 @@ class ScaffNew(FederatedCallback):
             self._grads.add_(client.scratch["scaffnew_h"])
 
     def on_client_end(self, *, client) -> None:
-        # D_i as it leaves the client (after clipping and local noise or the noise share), and the
-        # step size of this round, for the update of h_i (a replay overwrites them)
+        # D_i as it leaves the client (after clipping and local noise or the noise share; a skipped
+        # client's is its noised zero update), and the step size of this round, for the update of h_i
         self._sent[client.client] = (client.payload["update"].double().clone(), client.lr)
 
     def on_server_update(self, *, server) -> None:

@@ -283,11 +283,8 @@ class SCAFFOLD(FederatedCallback):
     def on_client_end(self, *, client) -> None:
         scratch, dc = client.scratch, client.payload["dc"]
         c_i = self._c_i.of(client.client, client.state)
-        if client.replay:  # a non-finite client is skipped: it sends dc = 0, c_i as before the round
+        if client.skipped:  # its update was not finite: it sends dc = 0 (noised, if noise follows), c_i kept
             dc.zero_()
-            before = scratch.pop("scaffold_c_i_before", None)
-            if before is not None:
-                c_i.copy_(before)
             return
         steps, lr_sum = scratch["scaffold_steps"], scratch["scaffold_lr_sum"]
         if self._warming(client.round_idx):
@@ -303,15 +300,13 @@ class SCAFFOLD(FederatedCallback):
 
     def commit_sent(self, client) -> None:
         """``c_i <- c_i + dc`` with the ``dc`` in ``client.payload`` as it leaves the client (line 17:
-        what the server adds to ``c``). A non-finite ``dc`` is left to the trainer, which replays the
-        client with a zero update; a replay adds what the zero ``dc`` carries (its noise, if any)."""
+        what the server adds to ``c``); a skipped client adds what its zero ``dc`` carries (its noise,
+        if any), as the server does. A non-finite ``dc`` (a plugin wrote it) is not committed: the
+        aggregation refuses the round."""
         dc = client.payload["dc"]
         if not bool(torch.isfinite(dc).all()):
             return
-        c_i = self._c_i.of(client.client, client.state)
-        if not client.replay:  # undone if the trainer replays the client (a segment found non-finite later)
-            client.scratch["scaffold_c_i_before"] = c_i.clone()
-        c_i.add_(dc.double())
+        self._c_i.of(client.client, client.state).add_(dc.double())
 
     def on_server_update(self, *, server) -> None:
         # after every on_aggregate (noise on dc, if any): c + l * mean dc = c + (1/M) sum dc

@@ -138,8 +138,6 @@ class SensitivityBound(FederatedCallback):
         if UPDATE in self.segments:
             frozen.zero_frozen_(client.payload[UPDATE], client.plan.trainable)
         norm = scale_to_norm_([client.payload[s] for s in self.segments], self.max_norm, self.only_if_above)
-        if math.isfinite(norm):  # finite values, scaled by a finite factor: the trainer need not check
-            client.checked_finite.update(self.segments)
         if self.log_norms:
             client.payload["raw_norm"].fill_(norm)
             client.payload["raw_norm_sq"].fill_(norm * norm)

@@ -71,8 +71,13 @@ class ServerOptimizer(FederatedCallback):
             self._opt.load_state_dict(self._pending_state)
             self._pending_state = None
 
-    def on_server_update(self, *, server) -> None:
+    def step(self, *, params: torch.Tensor, server) -> None:
+        """Move ``params`` (the global model) by the round's mean update ``server.update``: the one
+        place where the global model changes (the trainer's server phase calls it after the other
+        plugins' ``on_server_update``)."""
         assert self._opt is not None
+        if params.data_ptr() != self._param.data_ptr():  # the optimizer's state belongs to this model
+            raise RuntimeError("ServerOptimizer.step: params are not the global model it was set up with")
         for group in self._opt.param_groups:
             group["lr"] = self.lr * self.lr_decay**server.round_idx
         if self.optimizer == "sgd" and self.momentum == 0 and self.weight_decay == 0:

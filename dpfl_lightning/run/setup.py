@@ -38,7 +38,8 @@ from dpfl_lightning.releases import MetricRelease, ReleaseList
 from dpfl_lightning.sampling import ClientSampler
 
 if TYPE_CHECKING:
-    from dpfl_lightning.trainer import FederatedTrainer
+    from dpfl_lightning.comm import Communicator
+    from dpfl_lightning.settings import TrainerSettings
 
 
 def _set_rank_zero(rank: int) -> None:
@@ -74,8 +75,9 @@ class RunSetup:
     plan_template: dict[str, Any]
     weighting: str
     notes: list[str] = field(default_factory=list)
-    current_plan: RoundPlan | None = None
     max_client_samples: float = 1.0
+    plugins: list = field(default_factory=list)  # every plugin of the run, in order (with the defaults added)
+    threads: int = 1  # torch threads of this rank
 
     @property
     def private(self) -> bool:
@@ -108,8 +110,8 @@ class RunSetup:
             return list(self.notes)
         return list(self.ledger.describe()) + noise_multiplier_notes(self.ledger, self.ctx.mechanisms) + self.notes
 
-    def print_privacy_statement(self, trainer: FederatedTrainer) -> None:
-        if trainer.is_global_zero and trainer.enable_summary and self.private:
+    def print_privacy_statement(self, verbose: bool) -> None:
+        if verbose and self.private:
             print_privacy_lines(self.privacy_lines())
 
     def print_release_notes(self) -> None:
@@ -117,38 +119,39 @@ class RunSetup:
             print_privacy_lines(self.releases.describe())
 
 
-def _random_source(trainer: FederatedTrainer) -> rng.RandomSource:
-    if not trainer.secure:
-        return rng.RandomSource(trainer.seed)
-    secret = rng.new_secret() if trainer.is_global_zero else None
-    secret = trainer.comm.broadcast_object(secret, root=0) if trainer.comm.size > 1 else secret
-    return rng.RandomSource(trainer.seed, secret)
+def _random_source(settings: TrainerSettings, comm: Communicator) -> rng.RandomSource:
+    if not settings.secure:
+        return rng.RandomSource(settings.seed)
+    secret = rng.new_secret() if comm.rank == 0 else None
+    secret = comm.broadcast_object(secret, root=0) if comm.size > 1 else secret
+    return rng.RandomSource(settings.seed, secret)
 
 
-def prepare_privacy(trainer: FederatedTrainer, data: Any, module: Any = None,
+def prepare_privacy(settings: TrainerSettings, comm: Communicator, data: Any, module: Any = None,
                     device: torch.device | None = None, num_parameters: int | None = None) -> SetupContext:
-    """The data split, client sampler, random source and set-up context of ``trainer`` (also used
-    to plan privacy without a model: ``module=None``, with the model's ``num_parameters`` if known)."""
+    """The data split, client sampler, random source and set-up context of a run (also used to
+    plan privacy without a model: ``module=None``, with the model's ``num_parameters`` if known)."""
     data.setup()
-    rate = trainer.sampling_rate
-    if trainer.sampling == "poisson" and rate is None and trainer.clients_per_round is not None:
-        rate = trainer.clients_per_round / data.num_clients
-    sampler = ClientSampler(trainer.sampling, data.num_clients, trainer.clients_per_round, rate)
-    random = _random_source(trainer)
-    plan = RoundPlan(0, (), trainer.local_steps, trainer.local_epochs, trainer.batch_size)
+    rate = settings.sampling_rate
+    if settings.sampling == "poisson" and rate is None and settings.clients_per_round is not None:
+        rate = settings.clients_per_round / data.num_clients
+    sampler = ClientSampler(settings.sampling, data.num_clients, settings.clients_per_round, rate)
+    random = _random_source(settings, comm)
+    plan = RoundPlan(0, (), settings.local_steps, settings.local_epochs, settings.batch_size)
     participations = None if random.secure else (lambda rounds: sampler.participation_counts(random, rounds))
-    planner = PrivacyPlanner(sampler.accounted(), trainer.rounds, participations, plan.steps_for,
+    planner = PrivacyPlanner(sampler.accounted(), settings.rounds, participations, plan.steps_for,
                              min(data.client_num_samples(c) for c in range(data.num_clients)))
-    ctx = SetupContext(module, data, sampler, plan, trainer.rounds, random, planner, device or torch.device("cpu"),
-                       trainer.rank, trainer.world_size, trainer.enable_summary, trainer.weighting,
-                       trainer.normalize_update_by_lr)
+    ctx = SetupContext(module, data, sampler, plan, settings.rounds, random, planner, device or torch.device("cpu"),
+                       comm.rank, comm.size, settings.enable_summary, settings.weighting,
+                       settings.normalize_update_by_lr)
     ctx.num_parameters = num_parameters
     return ctx
 
 
-def setup_plugins(trainer: FederatedTrainer, ctx: SetupContext) -> PrivacyLedger | None:
-    """Every plugin's ``setup`` (bounds first known), then the declared mechanisms and the ledger."""
-    plugins = trainer.plugins
+def setup_plugins(plugins: list, ctx: SetupContext) -> tuple[list, PrivacyLedger | None]:
+    """Every plugin's ``setup`` (bounds first known), then the declared mechanisms and the ledger;
+    the run's plugins in order (with a default server optimizer and ledger where none is given)."""
+    plugins = list(plugins)
     if ctx.module is not None and not any(isinstance(p, ServerOptimizer) for p in plugins):
         plugins.append(ServerOptimizer("sgd", lr=1.0))
     plugins.sort(key=lambda p: p.order)
@@ -172,7 +175,7 @@ def setup_plugins(trainer: FederatedTrainer, ctx: SetupContext) -> PrivacyLedger
     for ledger in ledgers:
         ledger.setup(ctx=ctx)
     check_state_keys(plugins)
-    return ledgers[0] if ledgers else None
+    return plugins, (ledgers[0] if ledgers else None)
 
 
 def collect_mechanisms(plugins: list, ctx: SetupContext) -> list:
@@ -205,26 +208,27 @@ def calibrate_targets(plugins: list, ctx: SetupContext) -> None:
         p.use_noise_multiplier(ctx.privacy.calibrate(guarantee_at, epsilon, delta, accountant))
 
 
-def _payload(trainer: FederatedTrainer, ctx: SetupContext, d: int, private: bool, opt_in: bool) -> PayloadLayout:
+def _payload(settings: TrainerSettings, plugins: list, ctx: SetupContext, d: int, private: bool,
+             opt_in: bool) -> PayloadLayout:
     segments = [Segment(UPDATE, d, "model")]
-    for p in trainer.plugins:
+    for p in plugins:
         segments += p.payload_segments(ctx=ctx)
-    if trainer.on_nonfinite == "raise":
+    if settings.on_nonfinite == "raise":
         segments.append(Segment("nonfinite", 1, "control"))  # stops the run; never logged
     elif not private or opt_in:
         segments.append(Segment("skipped", 1, "data"))
-    if trainer.weighting == "samples":
+    if settings.weighting == "samples":
         segments.append(Segment("weight", 1, "data"))
     return PayloadLayout(segments)
 
 
-def _check_private_run(trainer: FederatedTrainer, ctx: SetupContext, layout: PayloadLayout, opt_in: bool) -> None:
+def _check_private_run(settings: TrainerSettings, ctx: SetupContext, layout: PayloadLayout, opt_in: bool) -> None:
     """What a DP run refuses: data-dependent weights, per-client evaluation and payload segments no
     mechanism covers (unless un-noised statistics are released knowingly)."""
-    require(trainer.weighting == "uniform", "trainer.weighting", trainer.weighting,
+    require(settings.weighting == "uniform", "trainer.weighting", settings.weighting,
             "weighting clients by their data size is a data-dependent, un-noised release and changes "
             "the sensitivity", "use weighting='uniform' with DP plugins")
-    require(not trainer.eval_per_client or opt_in, "trainer.eval_per_client", True,
+    require(not settings.eval_per_client or opt_in, "trainer.eval_per_client", True,
             "per-client evaluation logs un-noised statistics of every client's data in a DP run",
             "set eval_per_client=False, or log_client_metrics=True to release them knowingly")
     covered: dict[str, list[str]] = {}
@@ -237,13 +241,13 @@ def _check_private_run(trainer: FederatedTrainer, ctx: SetupContext, layout: Pay
     check_coverage(checked, covered, record_level, locally)
 
 
-def _notes(trainer: FederatedTrainer, data: Any, layout: PayloadLayout, opt_in: bool) -> list[str]:
+def _notes(settings: TrainerSettings, data: Any, layout: PayloadLayout, opt_in: bool) -> list[str]:
     notes = []
-    if trainer.secure:
+    if settings.secure:
         notes.append("secure mode: noise and sampling come from a CSPRNG keyed by a secret that is neither logged "
                      "nor checkpointed (floating-point mitigation: sum of four Gaussians)")
     else:
-        notes.append(f"simulation: cohorts, batches and noise are keyed by seed={trainer.seed}, which is in the "
+        notes.append(f"simulation: cohorts, batches and noise are keyed by seed={settings.seed}, which is in the "
                      "config and the logs; the guarantee holds only towards someone who does not know the seed "
                      "(trainer.secure=true for data that must be protected)")
     if data.test_set_from_clients:
@@ -256,30 +260,52 @@ def _notes(trainer: FederatedTrainer, data: Any, layout: PayloadLayout, opt_in: 
     return notes
 
 
-def build_run(trainer: FederatedTrainer, module: Any, data: Any) -> RunSetup:
-    """Set up one ``fit`` (see the module docstring)."""
-    if trainer.algorithm is not None:
-        trainer.algorithm.validate(trainer)
-    comm = trainer.comm
-    _set_rank_zero(comm.rank)
+def _threads(settings: TrainerSettings, comm: Communicator) -> int:
+    """Torch threads of this rank: the setting, else ``OMP_NUM_THREADS``, else this node's cores over
+    its ranks; oversubscribing the node is warned about."""
     cpus, per_rank = available_cpus(), max(1, available_cpus() // comm.local_size)
-    threads = trainer.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or per_rank
+    threads = settings.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or per_rank
     if threads * comm.local_size > cpus and comm.local_rank == 0:
         warnings.warn(f"trainer.num_threads: {comm.local_size} rank(s) x {threads} torch thread(s) on a node with {cpus} "
                       f"core(s) oversubscribe it, and ranks waiting in the all-reduce compete with the ones computing "
                       f"(benchmarks/round_overhead.py measured up to 26x slower rounds); set num_threads (or "
-                      f"OMP_NUM_THREADS) to at most {per_rank}, or leave both unset", RuntimeWarning, stacklevel=3)
+                      f"OMP_NUM_THREADS) to at most {per_rank}, or leave both unset", RuntimeWarning, stacklevel=4)
     torch.set_num_threads(threads)
-    trainer.threads = threads
-    if trainer.deterministic:
+    return threads
+
+
+def _device(settings: TrainerSettings, comm: Communicator) -> torch.device:
+    if settings.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    if trainer._wants_cuda():
+    if settings.wants_cuda():
         device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+        return device
+    return torch.device("cpu")
 
+
+def _prepare_model(comm: Communicator, module: Any, data: Any, plugins: list, ctx: SetupContext,
+                   device: torch.device) -> None:
+    """The module's ``setup("fit")``/``configure_model()``, the plugins' ``configure_model``, the flat
+    buffers; every rank starts from rank 0's initial parameters, whatever its random state was."""
+    data.to(device)
+    module.prepare("fit")  # the module's setup("fit") and configure_model(): layers they build are federated too
+    for p in plugins:  # e.g. DP-SGD may replace layers Opacus cannot handle
+        module.inner = p.configure_model(ctx=ctx, model=module.inner)
+    module.setup(device, comm.rank, comm.size, comm.local_rank)
+    comm.broadcast_(module.global_params, root=0)
+    module.load_global()
+
+
+def build_run(settings: TrainerSettings, comm: Communicator, module: Any, data: Any, plugins: list,
+              algorithm: Any = None) -> RunSetup:
+    """Set up one ``fit`` (see the module docstring)."""
+    if algorithm is not None:
+        algorithm.validate(settings)
+    _set_rank_zero(comm.rank)
+    threads = _threads(settings, comm)
+    device = _device(settings, comm)
     # Lightning's prepare_data (downloads): on each node's local rank 0 first, the other ranks wait.
     if comm.local_rank == 0:
         data.prepare_data()
@@ -287,31 +313,25 @@ def build_run(trainer: FederatedTrainer, module: Any, data: Any) -> RunSetup:
             module.inner.prepare_data()
     comm.barrier()
     data.prepare_data(call=False)
-    ctx = prepare_privacy(trainer, data, module, device)
+    ctx = prepare_privacy(settings, comm, data, module, device)
     M = data.num_clients
     require(comm.size <= M, "mpiexec -n", comm.size, f"more ranks than clients (data.num_clients={M})",
             f"launch at most {M} ranks or use more clients")
-    data.to(device)
-    module.prepare("fit")  # the module's setup("fit") and configure_model(): layers they build are federated too
-    for p in trainer.plugins:  # e.g. DP-SGD may replace layers Opacus cannot handle
-        module.inner = p.configure_model(ctx=ctx, model=module.inner)
-    module.setup(device, comm.rank, comm.size, comm.local_rank)
-    # Every rank starts from rank 0's initial parameters, whatever its random state was.
-    comm.broadcast_(module.global_params, root=0)
-    module.load_global()
+    _prepare_model(comm, module, data, plugins, ctx, device)
 
-    ledger = setup_plugins(trainer, ctx)
+    plugins, ledger = setup_plugins(plugins, ctx)
     private = bool(ctx.mechanisms)
-    opt_in = bool(trainer.log_client_metrics) if trainer.log_client_metrics is not None else not private
-    layout = _payload(trainer, ctx, module.num_parameters, private, opt_in)
+    opt_in = bool(settings.log_client_metrics) if settings.log_client_metrics is not None else not private
+    layout = _payload(settings, plugins, ctx, module.num_parameters, private, opt_in)
     releases = ReleaseList(private, opt_in)
-    for p in trainer.plugins:
+    for p in plugins:
         releases.declare(*p.released_metrics(ctx=ctx))
     releases.declare(MetricRelease("round", "public", "trainer"))
     if private:
-        _check_private_run(trainer, ctx, layout, opt_in)
-    notes = _notes(trainer, data, layout, opt_in) if private else []
-    template = {"local_steps": trainer.local_steps, "local_epochs": trainer.local_epochs,
-                "batch_size": trainer.batch_size, "client_lr_decay": trainer.client_lr_decay}
-    return RunSetup(device, ctx.sampler, ctx.random, ctx, layout, releases, ledger, template, trainer.weighting, notes,
-                    max_client_samples=float(max(data.client_num_samples(c) for c in range(data.num_clients))))
+        _check_private_run(settings, ctx, layout, opt_in)
+    notes = _notes(settings, data, layout, opt_in) if private else []
+    template = {"local_steps": settings.local_steps, "local_epochs": settings.local_epochs,
+                "batch_size": settings.batch_size, "client_lr_decay": settings.client_lr_decay}
+    return RunSetup(device, ctx.sampler, ctx.random, ctx, layout, releases, ledger, template, settings.weighting, notes,
+                    max_client_samples=float(max(data.client_num_samples(c) for c in range(data.num_clients))),
+                    plugins=plugins, threads=threads)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from dpfl_lightning.errors import report_failure
+
 #: the signals that ask a run to stop after the round: the scheduler's, Slurm's ``--signal``, Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -168,3 +170,14 @@ def _finalize_mpi() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
+
+
+def report_fit_failure(exc: BaseException, comm: Any, checkpoint_dir: str) -> None:
+    """What a failed ``fit`` says before it tears down: a failing rank's reason, out before any rank
+    aborts the job; after Ctrl-C, how to resume from the last checkpoint (rank 0)."""
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    if size > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        report_failure(exc, rank, size)
+    if isinstance(exc, KeyboardInterrupt) and rank == 0:
+        for line in interrupt_hint(os.path.join(checkpoint_dir, "last.ckpt"), size):
+            print(line, file=sys.stderr, flush=True)

@@ -1,21 +1,13 @@
-"""FederatedTrainer: the round loop.
+"""FederatedTrainer: the settings, ``fit`` and the round loop; the pieces of a fit live in
+:mod:`dpfl_lightning.run` and none of them sees the trainer.
 
-One round ``t``:
-
-1. the cohort ``S_t`` is sampled (same on every rank) and the round plan made; plugins may edit
-   the plan (``before_round``);
-2. each rank trains the clients of ``S_t`` it owns (client ``c`` lives on rank ``c mod P``) through
-   the executor; as each client finishes, the plugins bound and noise its payload
-   (``on_client_end``) and non-finite updates are caught;
-3. one exact all-reduce sums every segment of every payload over all ranks;
-4. ``on_aggregate`` (central noise), the mean update, ``on_server_update`` (step sizes, the server
-   optimizer);
-5. evaluation, ``on_round_end`` (the privacy ledger), logging through the release list,
-   checkpoints.
-
-Everything random is keyed by (seed, round, client, purpose), and the all-reduce is exact, so
-``mpiexec -n 1``, ``-n 2`` and ``-n 4`` give bit-identical models for the same seed and threads
-per rank.
+One round: the plan (the cohort, the same on every rank; plugins may edit it); every client of this
+rank trained by the executor and finished by the client phase (finite check, ``on_client_end``,
+folded into the rank's sum); one exact all-reduce and the server phase (``on_aggregate``, the mean
+update, ``on_server_update``, the server optimizer's step); evaluation, ``on_round_end``, the row
+through the release filter to the loggers and callbacks; checkpoints. Everything random is keyed by
+(seed, round, client, purpose) and the all-reduce is exact, so 1, 2 or 4 ranks give bit-identical
+models for the same seed and threads per rank.
 """
 
 from __future__ import annotations
@@ -31,27 +23,26 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
 from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning import frozen
 from dpfl_lightning.aggregation import PayloadAggregator
 from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, make_communicator
 from dpfl_lightning.contexts import ServerContext
 from dpfl_lightning.data.module import FederatedDataModule
-from dpfl_lightning.errors import ConfigError, report_failure, require
+from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.executor import EXECUTORS, Executor
 from dpfl_lightning.lightning_compat import LightningRun
-from dpfl_lightning.loggers import (RoundProgress, log_privacy_settings, make_loggers, print_summary,
-                                    privacy_settings, summary_rows)
+from dpfl_lightning.loggers import RoundProgress
 from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
 from dpfl_lightning.plan import RoundPlan
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, interrupt_hint
+from dpfl_lightning.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, report_fit_failure
 from dpfl_lightning.reproducibility import python_config, warn_if_unseeded
 from dpfl_lightning.run.checkpoints import RunCheckpoints, checkpoint_to_resume, write_lightning_checkpoint
 from dpfl_lightning.run.client_phase import ClientPhase
 from dpfl_lightning.run.client_states import ClientStates
 from dpfl_lightning.run.evaluation import RoundEvaluation
 from dpfl_lightning.run.hooks import HookTable
+from dpfl_lightning.run.reporting import open_loggers, print_run_summary
 from dpfl_lightning.run.round_row import RoundRow
 from dpfl_lightning.run.server_phase import ServerPhase
 from dpfl_lightning.run.setup import RunSetup, build_run, collect_mechanisms
@@ -265,11 +256,7 @@ class FederatedTrainer:
             with SignalWatch(announce=self.is_global_zero) as signals:
                 self._fit(module, data, state, lightning_run, signals)
         except BaseException as exc:
-            if self.world_size > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                report_failure(exc, self.rank, self.world_size)  # out before any rank aborts the job
-            if isinstance(exc, KeyboardInterrupt) and self.is_global_zero:
-                for line in interrupt_hint(os.path.join(self.checkpoint_dir, "last.ckpt"), self.world_size):
-                    print(line, file=sys.stderr, flush=True)
+            report_fit_failure(exc, self.comm, self.checkpoint_dir)
             lightning_run.teardown(exc)
             if isinstance(exc, Preempted):
                 finalize_mpi_at_exit()
@@ -307,7 +294,8 @@ class FederatedTrainer:
             if run.ledger is not None:  # restored plugins (calibrated noise) are in force now
                 collect_mechanisms(self.plugins, run.ctx)
                 run.ledger.setup(ctx=run.ctx)
-        loggers = self._make_loggers(start if state is not None else None)
+        loggers = open_loggers(self.settings, self.extra_loggers, run, self.status, self._run_config(),
+                               start if state is not None else None) if self.is_global_zero else []
         progress = RoundProgress(self.rounds, start, self.enable_progress_bar and self.is_global_zero)
         self.call_hook("on_fit_start", ctx=run.ctx)
         run.print_privacy_statement(self.is_global_zero and self.enable_summary)
@@ -332,8 +320,7 @@ class FederatedTrainer:
         if self.final_checkpoint:
             self.save_lightning_checkpoint(os.path.join(self.checkpoint_dir, "final.ckpt"))
         if self.enable_summary and self.is_global_zero:
-            print_summary(f"{self.run_name}: done", self._summary())
-            run.print_release_notes()
+            print_run_summary(self.settings, run, self.status, data.num_clients, self.world_size)
 
     # ------------------------------------------------------------------ the round loop
     def _rounds(self, start: int, loggers: list[Any], progress: RoundProgress, lightning_run: LightningRun,
@@ -342,7 +329,7 @@ class FederatedTrainer:
         for r in range(start, self.rounds):
             if status.should_stop:  # a callback stopped the run after the previous round
                 break
-            plan, server = self._plan(r)
+            plan, server = self.run.plan_round(r, self.module, self._states.of, self.status.stop)
             self.call_hook("before_round", plan=plan, server=server)
             if status.should_stop:
                 break
@@ -365,16 +352,6 @@ class FederatedTrainer:
                 signum = signals.agreed(self.comm, self.run.device)  # the ranks agree (one may have it)
                 if signum:
                     self._checkpoints.preempt(signum, r + 1, loggers, saved)
-
-    def _plan(self, r: int) -> tuple[RoundPlan, ServerContext]:
-        run, module = self.run, self.module
-        plan = run.default_plan(r)
-        plan.trainable = frozen.trainable_mask(module.parameter_list, module.parameter_slices, module.num_parameters,
-                                               run.device)
-        server = ServerContext(r, plan, run.random, self.data.num_clients, module.global_params,
-                               client_state=self._states.of, stop=self.status.stop,
-                               next_plan=lambda: run.default_plan(r + 1) if r + 1 < self.rounds else None)
-        return plan, server
 
     def _round(self, plan: RoundPlan, server: ServerContext) -> dict[str, float]:
         """One round on this rank: train and finish its clients, reduce, step, evaluate, report."""
@@ -401,25 +378,9 @@ class FederatedTrainer:
         return metrics
 
     # ------------------------------------------------------------------ logs and checkpoints
-    def _make_loggers(self, resume_round: int | None = None) -> list[Any]:
-        if not self.is_global_zero:
-            return []
-        loggers = make_loggers(self.log_dir, self.run_name, self.extra_loggers, resume_round=resume_round,
-                               config=self._run_config())
-        if self.private:
-            log_privacy_settings(loggers, privacy_settings(self.run.ctx.mechanisms, self.ledger, self.run.privacy_lines()))
-        self.status.csv_log_dir = loggers[0].log_dir
-        return loggers
-
     def _run_config(self) -> dict[str, Any]:
         """The run's configuration: the CLI's resolved YAML, or what was built in Python."""
         return self.config if self.config is not None else python_config(self.hparams, self.module.inner, self.data)
-
-    def _summary(self) -> dict[str, Any]:
-        rows = summary_rows(self.history, extra={"num_clients": self.data.num_clients, "ranks": self.world_size})
-        if self.stop_reason:
-            rows["stopped"] = self.stop_reason
-        return rows
 
     def save_checkpoint(self, path: str, rounds_done: int | None = None) -> None:
         """Write a checkpoint (rank 0; every rank must call this) and point ``last.ckpt`` at it."""
@@ -429,11 +390,6 @@ class FederatedTrainer:
         """Write the global model as a Lightning checkpoint that ``MyModule.load_from_checkpoint(path)``
         loads (rank 0 writes; every rank must call this). ``epoch`` defaults to the rounds done and
         ``global_step`` to the reference client's steps by then (see :mod:`dpfl_lightning.export`)."""
-        module = self.module
-        require(module is not None, "save_lightning_checkpoint", path, "there is no trained model yet",
+        require(self.module is not None, "save_lightning_checkpoint", path, "there is no trained model yet",
                 "call it after fit (or set final_checkpoint=True)")
-        done = int(self.history[-1].get("round", len(self.history))) if self.history else 0
-        epoch = done if epoch is None else epoch
-        if global_step is None:
-            global_step = module.start_step(module.loop.steps_reference, done)
-        return write_lightning_checkpoint(module, self.data, self.comm, path, epoch, global_step)
+        return write_lightning_checkpoint(self.module, self.data, self.comm, path, self.history, epoch, global_step)

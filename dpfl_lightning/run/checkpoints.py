@@ -30,9 +30,14 @@ def checkpoint_to_resume(ckpt_path: str | None, settings: TrainerSettings, annou
     return None
 
 
-def write_lightning_checkpoint(module: Any, data: Any, comm: Communicator | None, path: str, epoch: int,
-                               global_step: int) -> str:
-    """The global model as a Lightning checkpoint (rank 0 writes; every rank calls this)."""
+def write_lightning_checkpoint(module: Any, data: Any, comm: Communicator | None, path: str, history: list,
+                               epoch: int | None = None, global_step: int | None = None) -> str:
+    """The global model as a Lightning checkpoint (rank 0 writes; every rank calls this); ``epoch``
+    defaults to the rounds in ``history`` and ``global_step`` to the reference client's steps by then."""
+    done = int(history[-1].get("round", len(history))) if history else 0
+    epoch = done if epoch is None else epoch
+    if global_step is None:
+        global_step = module.start_step(module.loop.steps_reference, done)
     module.load_global()
     if comm is None or comm.rank == 0:
         datamodule = getattr(data, "datamodule", None)

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dpfl_lightning import rng
+from dpfl_lightning import frozen, rng
 from dpfl_lightning.checkpoint import check_state_keys
-from dpfl_lightning.contexts import SetupContext
+from dpfl_lightning.contexts import ServerContext, SetupContext
 from dpfl_lightning.errors import require
 from dpfl_lightning.loggers import noise_multiplier_notes, print_privacy_lines
 from dpfl_lightning.payload import UPDATE, PayloadLayout, Segment, check_coverage
@@ -95,6 +95,17 @@ class RunSetup:
         t = self.plan_template
         return RoundPlan(round_idx, cohort, t["local_steps"], t["local_epochs"], t["batch_size"], "shuffle",
                          t["client_lr_decay"] ** round_idx)
+
+    def plan_round(self, round_idx: int, module: Any, client_state: Any, stop: Any) -> tuple[RoundPlan, ServerContext]:
+        """Round ``round_idx``'s plan (the trainable parameters marked) and its server context."""
+        plan = self.default_plan(round_idx)
+        plan.trainable = frozen.trainable_mask(module.parameter_list, module.parameter_slices, module.num_parameters,
+                                               self.device)
+        last = self.ctx.rounds
+        server = ServerContext(round_idx, plan, self.random, self.ctx.data.num_clients, module.global_params,
+                               client_state=client_state, stop=stop,
+                               next_plan=lambda: self.default_plan(round_idx + 1) if round_idx + 1 < last else None)
+        return plan, server
 
     def denominator(self, plan: RoundPlan, sums: dict[str, torch.Tensor]) -> float:
         """What the update sum is divided by: total weight, expected cohort (Poisson: the realised

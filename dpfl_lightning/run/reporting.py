@@ -1,0 +1,31 @@
+"""What a fit writes for people: its loggers (the CSV log, W&B, ...) with the privacy settings of a DP
+run, and the end-of-run summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpfl_lightning.loggers import log_privacy_settings, make_loggers, print_summary, privacy_settings, summary_rows
+from dpfl_lightning.run.setup import RunSetup
+from dpfl_lightning.run.status import RunStatus
+from dpfl_lightning.settings import TrainerSettings
+
+
+def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, status: RunStatus,
+                 config: dict[str, Any], resume_round: int | None) -> list[Any]:
+    """Rank 0's loggers (call on rank 0 only), with the privacy settings of a DP run."""
+    loggers = make_loggers(settings.log_dir, settings.run_name, extra, resume_round=resume_round, config=config)
+    if run.private:
+        log_privacy_settings(loggers, privacy_settings(run.ctx.mechanisms, run.ledger, run.privacy_lines()))
+    status.csv_log_dir = loggers[0].log_dir
+    return loggers
+
+
+def print_run_summary(settings: TrainerSettings, run: RunSetup, status: RunStatus, num_clients: int,
+                      ranks: int) -> None:
+    """The end-of-run table and, in a DP run, what the logs release."""
+    rows = summary_rows(status.history, extra={"num_clients": num_clients, "ranks": ranks})
+    if status.stop_reason:
+        rows["stopped"] = status.stop_reason
+    print_summary(f"{settings.run_name}: done", rows)
+    run.print_release_notes()

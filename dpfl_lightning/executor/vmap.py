@@ -255,6 +255,27 @@ class VmapExecutor(Executor):
         rows = torch.gather(idx.unsqueeze(1).expand(-1, passes, -1), 2, perms)
         return rows.reshape(len(clients), passes * n), bs, steps
 
+    def _apply(self, opt: Any, groups: list[dict], names: list[list[str]], params: list[torch.Tensor],
+               grads: dict[str, torch.Tensor]) -> None:
+        """One optimizer step of every client of the chunk."""
+        if opt is None:  # plain SGD: what SGD.step does, p.add_(g, alpha=-lr), without its bookkeeping
+            with torch.no_grad():
+                for g, group_names in zip(groups, names):
+                    torch._foreach_add_(g["params"], [grads[name] for name in group_names], alpha=-g["lr"])
+            return
+        for p, name in zip(params, self._names):
+            p.grad = grads[name]
+        opt.step()
+
+    def _log(self, logged: Any, logs: dict[str, torch.Tensor], size: int) -> None:
+        """What ``training_step`` logged at this step, for every client, as ``self.log`` would."""
+        for name, values in logs.items():
+            args, kwargs = self._step.log_options.get(name, ((), {}))
+            if len(args) < 10:  # batch_size is self.log's 11th argument after the value
+                kwargs = {"batch_size": size, **kwargs}
+            for v in values:
+                logged.log(name, v, *args, **kwargs)
+
     def _train_chunk(self, work: RoundWork, positions: list[int]) -> Iterator[TrainedClient]:
         module, plan, data = work.module, work.plan, work.data
         clients = [work.clients[k] for k in positions]
@@ -309,22 +330,10 @@ class VmapExecutor(Executor):
                     raise ConfigError("trainer.executor", "vmap", "training_step set self.trainer.should_stop, which "
                                       "ends a client's local training; vectorised clients take their steps together",
                                       "use executor='sequential'")
-                if opt is None:  # plain SGD: what SGD.step does, p.add_(g, alpha=-lr), without its bookkeeping
-                    with torch.no_grad():
-                        for g, group_names in zip(groups, names):
-                            torch._foreach_add_(g["params"], [grads[name] for name in group_names], alpha=-g["lr"])
-                else:
-                    for p, name in zip(params, self._names):
-                        p.grad = grads[name]
-                    opt.step()
+                self._apply(opt, groups, names, params, grads)
                 shim.global_step += 1
                 size = sel.shape[1]
-                for name, values in logs.items():
-                    args, kwargs = self._step.log_options.get(name, ((), {}))
-                    if len(args) < 10:  # batch_size is self.log's 11th argument after the value
-                        kwargs = {"batch_size": size, **kwargs}
-                    for v in values:
-                        logged.log(name, v, *args, **kwargs)
+                self._log(logged, logs, size)
                 samples += size
         finally:  # as fit_client: the flags never outlive the chunk, even when training_step raises
             if buffers is not None:

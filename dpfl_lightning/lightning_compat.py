@@ -233,12 +233,6 @@ _DIFFERS = {
 }
 
 
-def _uses_dpsgd(plugins: list[Any]) -> bool:
-    from dpfl_lightning.plugins.dpsgd import DPSGD
-
-    return any(isinstance(p, DPSGD) for p in plugins)
-
-
 class LightningRun:
     """The Lightning side of one ``FederatedTrainer.fit``: run-level hooks, callbacks, the schedule's
     reference and the checks of what cannot run. The trainer calls it at fixed points of ``fit``;
@@ -278,18 +272,6 @@ class LightningRun:
             require(settings.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
                     settings.accumulate_grad_batches, "automatic gradient accumulation is not supported with manual "
                     "optimization (as in Lightning)", "accumulate in training_step, or remove the setting")
-        if _uses_dpsgd(plugins):
-            # (a configure_gradient_clipping override runs, with no value to clip at; clipping at a value
-            # through self.clip_gradients is refused at the step that does it)
-            require(not settings.gradient_clip_val, "trainer.gradient_clip_val", settings.gradient_clip_val,
-                    "DPSGD clips every record's gradient at max_grad_norm and ignores the batch gradient, so local "
-                    "gradient clipping would have no effect", "remove it (DPSGD(max_grad_norm=...) is the bound)")
-            require(settings.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
-                    settings.accumulate_grad_batches, "DPSGD's accountant counts one noisy step per sampled batch; "
-                    "accumulating k batches would make one step of k batches",
-                    "use a k times larger batch_size instead")
-            require(settings.precision != "16-mixed", "trainer.precision", "16-mixed", "the loss scaler would scale "
-                    "the per-record gradients that DPSGD clips at max_grad_norm", "use 'bf16-mixed' or '32' with DPSGD")
         executor = settings.executor
         if executor != "sequential":
             wanted = [name for name, on in (
@@ -328,11 +310,7 @@ class LightningRun:
         self.steps_differ = len(steps) > 1
         shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client
         shim.estimated_stepping_batches = settings.rounds * module.loop.steps_reference
-        opts, scheds = module.check_optimizers()
-        if _uses_dpsgd(plugins):
-            require(len(opts) == 1, "model.configure_optimizers", f"{len(opts)} optimizers", "DPSGD's accountant "
-                    "counts one noisy step per sampled batch; a second DP optimizer would release every batch twice",
-                    "train with one optimizer under DPSGD")
+        module.check_optimizers()  # (and the plugins' rules on the optimizers, e.g. DPSGD's)
         self._check_data()
 
     def _check_data(self) -> None:
@@ -508,7 +486,7 @@ class LightningRun:
                 module.datamodule.teardown("fit")
             if self.adapter is not None:
                 self.adapter.call("teardown", "fit")
-            if module._attached:
+            if module.attached:
                 module.inner.teardown("fit")
         finally:
             module.teardown()

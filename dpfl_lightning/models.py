@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from dpfl_lightning.data.synthetic import linear_regression_target, quadratic_problem
+from dpfl_lightning.problems import linear_regression_target, quadratic_problem
 
 
 def _optimizer(params, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:

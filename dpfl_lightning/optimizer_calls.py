@@ -10,6 +10,9 @@ differs: no hooks registered, no method replaced, torch's own classes, and for S
 configuration whose update is ``p -= lr * grad`` on CPU tensors (where torch itself takes the
 per-tensor path: on other devices it takes the ``_foreach`` kernels, whose rounding may differ).
 Everything else goes through the optimizer's own methods, as under ``lightning.Trainer``.
+
+An optimizer may also declare rules of its own that the loop honours without knowing them (see
+:func:`batch_starts` and :func:`check_gradient_clipping`): DP-SGD's refusals live with DP-SGD.
 """
 
 from __future__ import annotations
@@ -143,3 +146,24 @@ def zero_grad(optimizer: torch.optim.Optimizer) -> None:
     for g in optimizer.param_groups:
         for p in g["params"]:
             p.grad = None
+
+
+# ---------------------------------------------------------------------------------------- what an optimizer may ask of the loop
+# An optimizer (a plugin's wrapper, such as DP-SGD's) may declare two methods; the local loop calls
+# them and knows nothing else of the optimizer's rules:
+#   ``on_train_batch_start()``: called before every ``training_step`` of manual optimization, where
+#       the module steps its optimizers itself (an optimizer that may step once per batch counts here);
+#   ``check_gradient_clipping(clip_val)``: called before the batch gradient is clipped at
+#       ``clip_val`` (``self.clip_gradients``, ``gradient_clip_val``); it raises if that is refused.
+
+
+def batch_starts(optimizers: list[torch.optim.Optimizer]) -> list[Any]:
+    """The ``on_train_batch_start`` methods of the optimizers that declare one."""
+    return [o.on_train_batch_start for o in optimizers if callable(getattr(o, "on_train_batch_start", None))]
+
+
+def check_gradient_clipping(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    """Let the optimizer refuse gradient clipping at ``clip_val`` (see above)."""
+    check = getattr(optimizer, "check_gradient_clipping", None)
+    if check is not None:
+        check(clip_val)

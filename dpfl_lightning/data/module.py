@@ -25,6 +25,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 
 from dpfl_lightning.data.partition import PARTITIONS, partition
 from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.module.introspect import is_overridden
 from dpfl_lightning.plan import batch_shape
 from dpfl_lightning.rng import Stream
 
@@ -180,8 +181,6 @@ class FederatedDataModule:
         if self.datamodule is None:
             raise ConfigError("data", None, "no data given", "pass a LightningDataModule, datasets or tensors, "
                               "or use a built-in source such as dpfl_lightning.data.Digits")
-        from dpfl_lightning.module import is_overridden
-
         dm = self.datamodule
         self.prepare_data()  # once; in a run, only local rank 0 calls it (see prepare_data)
         dm.setup("fit")

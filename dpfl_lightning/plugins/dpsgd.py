@@ -133,13 +133,36 @@ class KeyedDPOptimizer(DPOptimizer):
 
     A step for which no backward ran (``training_step`` returned ``None``) is still a noisy step: the
     clipped sum is zero and the full noise is added, so every sampled batch is one release, as the
-    accountant counts (like an empty Poisson batch)."""
+    accountant counts (like an empty Poisson batch).
 
-    clips_per_record = True  # batch-gradient clipping has no effect on its steps
+    Its own rules, which the local loop honours without knowing them
+    (:mod:`dpfl_lightning.optimizer_calls`): at most one step per batch in manual optimization (the
+    accountant counts one noisy step per sampled batch), and no clipping of the batch gradient
+    (every record's gradient is clipped, and the batch gradient is ignored)."""
 
     def __init__(self, *args: Any, noise_stream: rng.Stream, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.noise_stream = noise_stream
+        self.steps_this_batch: int | None = None  # counted from the first on_train_batch_start
+
+    def on_train_batch_start(self) -> None:
+        """Before every ``training_step`` of manual optimization (the module steps this optimizer)."""
+        self.steps_this_batch = 0
+
+    def step(self, closure: Any = None) -> Any:
+        if self.steps_this_batch is not None:
+            self.steps_this_batch += 1
+            if self.steps_this_batch > 1:
+                raise ConfigError("DPSGD", "optimizer.step()", "training_step stepped the DP-SGD optimizer more "
+                                  "than once on one batch, but the accountant counts one noisy step per sampled "
+                                  "batch", "step each optimizer at most once per training_step")
+        return super().step(closure)
+
+    def check_gradient_clipping(self, clip_val: float) -> None:
+        """Clipping the batch gradient (``self.clip_gradients``, ``configure_gradient_clipping``) is refused."""
+        raise ConfigError("gradient clipping", clip_val, "DP-SGD clips every record's gradient at max_grad_norm and "
+                          "ignores the batch gradient, so clipping it has no effect",
+                          "remove the clipping (DPSGD(max_grad_norm=...) is the bound)")
 
     @property
     def accumulated_iterations(self) -> int:
@@ -173,6 +196,13 @@ class KeyedDPOptimizer(DPOptimizer):
                 grad = grad + self.noise_stream.normal(grad.shape, std, grad.device, grad.dtype)
             p.grad = grad.view_as(p)
             _mark_as_processed(p.summed_grad)
+
+
+def _one_optimizer(opts: list[torch.optim.Optimizer]) -> None:
+    """What ``configure_optimizers`` may return under DP-SGD: one optimizer."""
+    require(len(opts) == 1, "model.configure_optimizers", f"{len(opts)} optimizers", "DPSGD's accountant "
+            "counts one noisy step per sampled batch; a second DP optimizer would release every batch twice",
+            "train with one optimizer under DPSGD")
 
 
 class DPSGD(FederatedCallback):
@@ -236,6 +266,9 @@ class DPSGD(FederatedCallback):
 
     # ------------------------------------------------------------------ set-up
     def configure_model(self, *, ctx, model: Any) -> Any:
+        """The local loop's settings are checked first (before a layer is replaced), then Opacus's
+        objections to the model's layers (``fix_model`` replaces them)."""
+        self._check_local_loop(ctx.module)
         problems = _unsupported_layers(model)
         if not problems:
             return model
@@ -268,6 +301,25 @@ class DPSGD(FederatedCallback):
             if ctx.verbose:
                 print(message, flush=True)
         return model
+
+    def _check_local_loop(self, module: Any) -> None:
+        """What the local loop may not do under DP-SGD, whose accountant counts one noisy step of clipped
+        per-record gradients per sampled batch: clip the batch gradient at ``gradient_clip_val``, accumulate
+        batches, scale the loss (``16-mixed``), or train with a second DP optimizer (checked on what
+        ``configure_optimizers`` returns, at set-up). A ``configure_gradient_clipping`` override runs,
+        with no value to clip at; clipping at a value through ``self.clip_gradients`` is refused at the
+        step that does it, as is a second step on one batch (:class:`KeyedDPOptimizer`)."""
+        loop = module.loop
+        require(not loop.gradient_clip_val, "trainer.gradient_clip_val", loop.gradient_clip_val,
+                "DPSGD clips every record's gradient at max_grad_norm and ignores the batch gradient, so local "
+                "gradient clipping would have no effect", "remove it (DPSGD(max_grad_norm=...) is the bound)")
+        require(loop.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
+                loop.accumulate_grad_batches, "DPSGD's accountant counts one noisy step per sampled batch; "
+                "accumulating k batches would make one step of k batches",
+                "use a k times larger batch_size instead")
+        require(loop.precision != "16-mixed", "trainer.precision", "16-mixed", "the loss scaler would scale "
+                "the per-record gradients that DPSGD clips at max_grad_norm", "use 'bf16-mixed' or '32' with DPSGD")
+        module.add_optimizer_rule(_one_optimizer)
 
     def setup(self, *, ctx) -> None:
         require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",

@@ -1,0 +1,166 @@
+"""Schedule replay: every client builds fresh optimizers from ``configure_optimizers``, placed where
+one Lightning run's schedule would stand at the client's round (a cursor per number of optimizer
+steps per round, see :mod:`dpfl_lightning.schedule`); where the clients of a round all ended in the
+same state that the schedule alone does not give, the next round's clients continue from it."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.module.optimizers import parse_optimizers, step_scheduler_as_lightning
+from dpfl_lightning.schedule import RoundEnd, ScheduleCursor, ended_as, hyperparameters, merge_end
+
+#: a rule on the optimizers ``configure_optimizers`` returns, checked at set-up (it raises to refuse)
+OptimizerRule = Callable[[list[torch.optim.Optimizer]], None]
+
+
+class ScheduleReplay:
+    """The optimizers and schedulers of the clients of ``fm`` (a
+    :class:`~dpfl_lightning.module.FederatedLightningModule`) across rounds, and the round ends taken."""
+
+    def __init__(self, fm: Any) -> None:
+        self.fm = fm
+        self.optimizer_rules: list[OptimizerRule] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """A new run: no cursors, no round ends, no released rows."""
+        self.cursors: dict[int, ScheduleCursor] = {}
+        self.seen_schedulers: bool | None = None
+        self.round_metrics: dict[int, dict[str, float]] = {}  # released rows by round (ReduceLROnPlateau)
+        self.round_ends: dict[tuple[int, int], RoundEnd] = {}  # taken, by (steps per round, round)
+        self.client_ends: dict[int, RoundEnd | str | None] = {}
+        self.notes: set[str] = set()  # what the run says differs from lightning.Trainer (once each)
+        self.carried: set[int] = set()  # the steps per round with a round end taken
+        self.optimizer_rules = []
+
+    # ------------------------------------------------------------------ where a client starts
+    def set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
+        """What the module's trainer says at the start of a client's round: ``current_epoch`` is the
+        round, ``global_step`` where the schedule of ``steps`` steps per round stands (``round * steps``
+        unless the module's own steps moved it; see :mod:`dpfl_lightning.schedule`)."""
+        shim = self.fm.trainer_shim
+        shim.current_epoch = round_idx
+        shim.global_step = self.start_step(steps, round_idx)
+        shim.estimated_stepping_batches = self.fm.loop.rounds * steps
+        shim.num_training_batches = batches
+
+    def start_step(self, steps: int, round_idx: int) -> int:
+        """``global_step`` at the start of ``round_idx`` for clients of ``steps`` steps per round: that of
+        the last round end taken before it, plus ``steps`` per round since."""
+        cur = self.cursors.get(steps)
+        if cur is not None and cur.round <= round_idx:
+            return self.cursor(steps, round_idx).start_step
+        taken = [r for s, r in self.round_ends if s == steps and r < round_idx]
+        if not taken:
+            return round_idx * steps
+        last = max(taken)
+        return self.round_ends[(steps, last)].step + (round_idx - 1 - last) * steps
+
+    def configure(self, steps: int) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
+        """``configure_optimizers`` with ``estimated_stepping_batches`` of clients of ``steps`` steps."""
+        fm = self.fm
+        shim = fm.trainer_shim
+        saved = shim.estimated_stepping_batches
+        shim.estimated_stepping_batches = fm.loop.rounds * steps
+        try:
+            opts, scheds = parse_optimizers(fm.inner.configure_optimizers())
+        finally:
+            shim.estimated_stepping_batches = saved
+        if fm.automatic_optimization and len(opts) != 1:
+            raise ConfigError("model.configure_optimizers", f"{len(opts)} optimizers",
+                              "automatic optimization trains with exactly one optimizer",
+                              "return one optimizer or set self.automatic_optimization = False")
+        return opts, scheds
+
+    def check_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
+        """Call ``configure_optimizers`` once, as the reference client would (refuses what cannot run,
+        and what the rules of :attr:`optimizer_rules` refuse)."""
+        opts, scheds = self.configure(self.fm.loop.steps_reference)
+        self.seen_schedulers = bool(scheds)
+        for rule in self.optimizer_rules:
+            rule(opts)
+        return opts, scheds
+
+    def cursor(self, steps: int, round_idx: int) -> ScheduleCursor:
+        """The optimizers and schedulers of a client with ``steps`` optimizer steps per round, at the start
+        of ``round_idx`` (see :mod:`dpfl_lightning.schedule`)."""
+        cur = self.cursors.get(steps)
+        if cur is None or cur.round > round_idx:
+            opts, scheds = self.configure(steps)
+            cur = self.cursors[steps] = ScheduleCursor(
+                opts, scheds, steps, self.fm.automatic_optimization, self._cursor_step,
+                lambda r, monitor: self.round_metrics.get(r, {}).get(monitor),
+                lambda r: self.round_ends.get((steps, r)))
+        cur.advance(round_idx)
+        return cur
+
+    def _cursor_step(self, cfg: LRSchedulerConfig, metric: Any, epoch: int, global_step: int) -> None:
+        """A scheduler step of a cursor, with ``current_epoch`` and ``global_step`` showing its position
+        (lightning.Trainer never steps schedulers in manual optimization, nor calls lr_scheduler_step
+        there: a cursor places them by their declared interval with their own ``step``)."""
+        fm = self.fm
+        shim = fm.trainer_shim
+        saved = shim.current_epoch, shim.global_step
+        shim.current_epoch, shim.global_step = epoch, global_step
+        try:
+            custom = fm.automatic_optimization and fm.client_loop.overridden["lr_scheduler_step"]
+            step_scheduler_as_lightning(fm.inner, cfg, metric, custom)
+        finally:
+            shim.current_epoch, shim.global_step = saved
+
+    def make_optimizers(self, steps: int = 0, round_idx: int = 0) -> tuple[list[torch.optim.Optimizer],
+                                                                          list[LRSchedulerConfig], RoundEnd]:
+        """Fresh local optimizers from ``configure_optimizers``, with the settings and scheduler states of
+        the cursor of ``steps`` steps per round at the start of ``round_idx``; and the state the schedule
+        alone would end the round in (what the client's own end is compared with)."""
+        opts, scheds = self.configure(steps)
+        if scheds:
+            self.seen_schedulers = True
+        if scheds or steps in self.carried:
+            cur = self.cursor(steps, round_idx)
+            if cur.copy_into(opts, scheds):
+                return opts, scheds, cur.expected_end()
+            self.notes.add("structure")
+        return opts, scheds, RoundEnd(self.start_step(steps, round_idx) + steps, hyperparameters(opts), [])
+
+    # ------------------------------------------------------------------ what clients carry across rounds
+    def record_end(self, steps: int, opts: list[torch.optim.Optimizer], scheds: list[LRSchedulerConfig],
+                   expected: RoundEnd) -> None:
+        """A client's end of round, summed up for the round (:func:`~dpfl_lightning.schedule.merge_end`):
+        only where it differs from the schedule's does its state count."""
+        step = self.fm.trainer_shim.global_step
+        if ended_as(expected, step, opts, scheds):
+            merge_end(self.client_ends, steps, None)
+        else:
+            merge_end(self.client_ends, steps, RoundEnd(step, hyperparameters(opts),
+                                                        [copy.deepcopy(c.scheduler.state_dict()) for c in scheds]))
+
+    def round_ends_of_clients(self) -> dict[int, RoundEnd | str | None]:
+        """What this rank's clients of each step count did with their optimizers' state this round (see
+        :func:`~dpfl_lightning.schedule.merge_end`); cleared for the next round."""
+        out, self.client_ends = self.client_ends, {}
+        return out
+
+    def take_round_end(self, steps: int, round_idx: int, end: RoundEnd) -> bool:
+        """Continue clients of ``steps`` steps per round from ``end`` after ``round_idx``; ``False`` when
+        its optimizers do not have the structure of the cursor's (nothing is taken)."""
+        if not self.cursor(steps, round_idx).fits(end.groups, len(end.scheds)):
+            return False
+        self.round_ends[(steps, round_idx)] = end
+        self.carried.add(steps)
+        return True
+
+    def schedule_state(self) -> list[dict[str, Any]]:
+        """The round ends taken so far, in plain types (for the run's checkpoint)."""
+        return [dict(end.as_dict(), steps=s, round=r) for (s, r), end in sorted(self.round_ends.items())]
+
+    def load_schedule_state(self, state: list[dict[str, Any]]) -> None:
+        self.round_ends = {(d["steps"], d["round"]): RoundEnd(d["step"], d["groups"], d["scheds"]) for d in state}
+        self.carried = {s for s, _ in self.round_ends}
+        self.cursors = {}

@@ -12,7 +12,13 @@ collapse at K = 40 (14.85% against 36.85% at K = 10). Two readings (``--reading`
 - ``short``: one warm-start round, no regularisation, the accuracy after the last round;
 - ``paper``: as paper 001 runs it (Sec. 5, App. D.3): the warm start's ``ceil(M / m)`` rounds
   (20 at l = 0.05) counted inside T, an l2 regularisation of 5e-3 on the objective, and the test
-  accuracy averaged over the last 10% of the rounds.
+  accuracy averaged over the last 10% of the rounds;
+- ``paper_unit``: ``paper`` on the features paper 001 trains on (Sec. 5, "Datasets": "Features are
+  first standardized, then each data point is normalized to have unit L2 norm"): each feature
+  standardized with the training records' mean and standard deviation, then every record (train and
+  test) scaled to norm 1. The raw App. D.2 features have norms of about 15 at beta = 5, so every
+  per-record gradient is clipped at C = 1 and a few rounds already move the logits far; on unit
+  records the same step sizes need many more rounds.
 
 At K = 40, T = 86 leaves 66 training rounds after the paper's 20 warm rounds.
 
@@ -21,7 +27,7 @@ multiplier ``z = 2 sigma_g`` (std ``z C`` on the sum, divided by the batch size 
 size ``eta_l = eta_0 / (s K)``, global step size 1, batches of ``sR`` records without replacement.
 
     python benchmarks/paper001_scaffold.py --study compare [--seeds 3] [--rounds 30]
-    python benchmarks/paper001_scaffold.py --study table1 [--seeds 2] [--reading short|paper|both] [--ks 10 40]
+    python benchmarks/paper001_scaffold.py --study table1 [--seeds 2] [--reading short|paper|paper_unit|both|all] [--ks 10 40]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import tempfile
 import time
 
 import torch
+from torch.utils.data import TensorDataset
 
 from dpfl_lightning import FederatedTrainer
 from dpfl_lightning.algorithms import DPSCAFFOLD, PFL
@@ -42,10 +49,28 @@ from dpfl_lightning.plugins import FederatedCallback
 from dpfl_lightning.privacy import paper001
 
 M, R, R_TEST, DIM = 100, 4000, 1000, 40
-READINGS = {  # warm-start rounds (None: ceil(M / m)), l2 weight, fraction of the last rounds averaged
-    "short": (1, 0.0, None),
-    "paper": (None, 5e-3, 0.1),
+READINGS = {  # warm-start rounds (None: ceil(M / m)), l2 weight, fraction of the last rounds averaged, unit records
+    "short": (1, 0.0, None, False),
+    "paper": (None, 5e-3, 0.1, False),
+    "paper_unit": (None, 5e-3, 0.1, True),
 }
+
+
+class UnitSyntheticLogistic(SyntheticLogistic):
+    """Paper 001 Sec. 5's preprocessing on top of App. D.2's data: standardize every feature with the
+    training records' mean and standard deviation, then scale every record to unit L2 norm."""
+
+    def load(self):
+        train, test, clients = super().load()
+        x, y = train.tensors
+        mean, std = x.mean(0), x.std(0).clamp_min(1e-12)
+
+        def unit(v: torch.Tensor) -> torch.Tensor:
+            z = (v - mean) / std
+            return z / torch.linalg.vector_norm(z, dim=1, keepdim=True).clamp_min(1e-12)
+
+        test = None if test is None else TensorDataset(unit(test.tensors[0]), test.tensors[1])
+        return TensorDataset(unit(x), y), test, clients
 
 
 class L2Regularisation(FederatedCallback):
@@ -69,8 +94,8 @@ class L2Regularisation(FederatedCallback):
 
 def run(algorithm: str, sigma_g: float, K: int, rounds: int, l: float, s: float, eta0: float, seed: int,
         alpha: float, beta: float, reading: str = "short") -> float:
-    warm_rounds, lam, last = READINGS[reading]
-    data = SyntheticLogistic(num_clients=M, samples_per_client=R, test_samples_per_client=R_TEST // 10, dim=DIM,
+    warm_rounds, lam, last, unit = READINGS[reading]
+    data = (UnitSyntheticLogistic if unit else SyntheticLogistic)(num_clients=M, samples_per_client=R, test_samples_per_client=R_TEST // 10, dim=DIM,
                              alpha=alpha, beta=beta, seed=0)
     z = 2 * sigma_g
     if algorithm == "dp_scaffold_warm":
@@ -106,7 +131,7 @@ def table1(args) -> None:
     ts = {k: paper001.max_rounds(3.0, 40.0, k, l=0.05, s=0.2, R=R, M=M) for k in ks}
     print(f"Table 1 shape, sigma_g=40 (z=80), l=0.05, s=0.2, eps=3 by paper 001's accountant: T per K = {ts}; "
           f"paper: {paper001.TABLE1_T[40.0]}, accuracy (%) K=1 21.05, 5 34.50, 10 36.85, 20 33.24, 40 14.85")
-    readings = tuple(READINGS) if args.reading == "both" else (args.reading,)
+    readings = {"both": ("short", "paper"), "all": tuple(READINGS)}.get(args.reading, (args.reading,))
     for reading in readings:
         for k in ks:
             t0 = time.perf_counter()
@@ -127,8 +152,9 @@ def main() -> None:
     ap.add_argument("--eta0", type=float, default=1.0)
     ap.add_argument("--alpha", type=float, default=5.0)
     ap.add_argument("--beta", type=float, default=5.0)
-    ap.add_argument("--reading", choices=("short", "paper", "both"), default="both",
-                    help="table1: one warm round and the last accuracy, or as the paper (see the docstring)")
+    ap.add_argument("--reading", choices=(*READINGS, "both", "all"), default="both",
+                    help="table1: one warm round and the last accuracy, or as the paper, raw or unit records "
+                         "(see the docstring); both = short and paper, all = the three")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 5, 10, 20, 40], help="table1: the K values")
     args = ap.parse_args()
     torch.set_num_threads(1)

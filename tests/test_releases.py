@@ -12,7 +12,7 @@ import pytest
 from lightning.pytorch.loggers import Logger
 
 from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning import trainer as trainer_module
+from dpfl_lightning.run import reporting as trainer_module
 from dpfl_lightning.algorithms import PFL, DPFedAvg, DPFedAvgLocal, DPNormFedAvg
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback

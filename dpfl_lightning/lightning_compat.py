@@ -241,7 +241,7 @@ class LightningRun:
     once the run is built."""
 
     def __init__(self, settings: TrainerSettings, module: FederatedLightningModule, data: FederatedDataModule,
-                 callbacks: list[Any], plugins: list[Any], save_checkpoint: Callable[[str, int, int], Any]) -> None:
+                 callbacks: list[Any], save_checkpoint: Callable[[str, int, int], Any]) -> None:
         self.settings, self.module, self.data = settings, module, data
         self._save_checkpoint = save_checkpoint
         self.comm: Communicator | None = None
@@ -296,7 +296,7 @@ class LightningRun:
     def is_global_zero(self) -> bool:
         return self.comm is None or self.comm.rank == 0
 
-    def check(self, plugins: list[Any]) -> None:
+    def check(self) -> None:
         """After the run is built: the reference client's steps, ``configure_optimizers``, data settings."""
         settings, module, data = self.settings, self.module, self.data
         plan = RoundPlan(0, (), settings.local_steps, settings.local_epochs, settings.batch_size)

@@ -251,7 +251,7 @@ class FederatedTrainer:
         state = ckpt.load(ckpt_path) if ckpt_path else None
         if state is None and self.is_global_zero:
             warn_if_unseeded(self.seed)  # the user built the model: its weights are not ours to reset
-        lightning_run = LightningRun(self.settings, module, data, self.callbacks, self.plugins, self.save_lightning_checkpoint)
+        lightning_run = LightningRun(self.settings, module, data, self.callbacks, self.save_lightning_checkpoint)
         try:  # teardown, also after a failed set-up or round: the user's module is left clean
             with SignalWatch(announce=self.is_global_zero) as signals:
                 self._fit(module, data, state, lightning_run, signals)
@@ -270,7 +270,7 @@ class FederatedTrainer:
         self.run = run = build_run(s, comm, module, data, self.plugins, self.algorithm)
         self.module, self.data, self.plugins = module, data, run.plugins
         lightning_run.attach(comm, run.releases, self.status)
-        lightning_run.check(self.plugins)
+        lightning_run.check()
         self._hooks = hooks = HookTable(self.plugins)
         self._states = ClientStates(comm, hooks.keeps_client_state)
         self.executor.setup(module, data, hooks.changing_local_steps())

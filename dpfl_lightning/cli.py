@@ -45,7 +45,6 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
 from dpfl_lightning import cli_errors, errors
-from dpfl_lightning.comm import launched_with_mpi
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
 
 EXIT_CONFIG = 2
@@ -346,31 +345,41 @@ def report_parser() -> ArgumentParser:
     return p
 
 
-def build_parser() -> ArgumentParser:
+SUBCOMMANDS = {
+    "fit": "train",
+    "validate": "validate a trained run's global model (lightning.Trainer.validate)",
+    "test": "test a trained run's global model (lightning.Trainer.test)",
+    "predict": "predict with a trained run's global model (lightning.Trainer.predict)",
+    "privacy": "epsilon, calibration and round planning",
+    "sweep": "run the configurations of a W&B-format sweep file",
+    "report": "plots and tables from the CSV logs of runs",
+    "audit": "empirical privacy audit of a fit config with canary clients",
+}
+
+
+def _subcommand_parsers() -> dict[str, ArgumentParser]:
+    from dpfl_lightning.audit_cli import audit_parser  # (audit_cli imports this module)
+
+    return {"fit": fit_parser(), "validate": fit_parser("validate"), "test": fit_parser("test"),
+            "predict": fit_parser("predict"),
+            "privacy": DpflArgumentParser(description="Privacy accounting without training."),
+            "sweep": sweep_parser(), "report": report_parser(), "audit": audit_parser()}
+
+
+def build_parser(light: bool = False) -> ArgumentParser:
     """The ``dpfl`` parser; ``parser.dpfl_subcommands`` maps each subcommand (``fit``,
-    ``privacy calibrate``, ...) to its parser."""
+    ``privacy calibrate``, ...) to its parser. ``light``: empty subcommands, enough for ``dpfl --help``
+    (nothing of the trainer, Lightning or the accountants is imported)."""
     parser = DpflArgumentParser(prog="dpfl",
                                 description="Differentially private federated learning on Lightning modules.")
     sub = parser.add_subcommands(dest="command")
+    parsers = {name: DpflArgumentParser() for name in SUBCOMMANDS} if light else _subcommand_parsers()
     commands: dict[str, ArgumentParser] = {}
-
-    def add(name: str, p: ArgumentParser, text: str) -> ArgumentParser:
-        sub.add_subcommand(name, p, help=text)
-        commands[name] = p
-        return p
-
-    add("fit", fit_parser(), "train")
-    add("validate", fit_parser("validate"), "validate a trained run's global model (lightning.Trainer.validate)")
-    add("test", fit_parser("test"), "test a trained run's global model (lightning.Trainer.test)")
-    add("predict", fit_parser("predict"), "predict with a trained run's global model (lightning.Trainer.predict)")
-    privacy = add("privacy", DpflArgumentParser(description="Privacy accounting without training."),
-                  "epsilon, calibration and round planning")
-    commands.update({f"privacy {k}": v for k, v in add_privacy_subcommands(privacy).items()})
-    add("sweep", sweep_parser(), "run the configurations of a W&B-format sweep file")
-    add("report", report_parser(), "plots and tables from the CSV logs of runs")
-    from dpfl_lightning.audit_cli import audit_parser  # (audit_cli imports this module)
-
-    add("audit", audit_parser(), "empirical privacy audit of a fit config with canary clients")
+    for name, text in SUBCOMMANDS.items():
+        sub.add_subcommand(name, parsers[name], help=text)
+        commands[name] = parsers[name]
+    if not light:
+        commands.update({f"privacy {k}": v for k, v in add_privacy_subcommands(parsers["privacy"]).items()})
     parser.dpfl_subcommands = commands
     return parser
 
@@ -519,6 +528,8 @@ def run_stage(parser: ArgumentParser, cfg: Any, stage: str) -> Any:
 
 
 def _world() -> tuple[int, int, Any]:
+    from dpfl_lightning.comm import launched_with_mpi  # (torch: not for `dpfl --help`)
+
     if not launched_with_mpi():
         return 0, 1, None
     from mpi4py import MPI
@@ -572,6 +583,9 @@ def parse(parser: ArgumentParser, argv: list[str] | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if list(sys.argv[1:] if argv is None else argv) in (["-h"], ["--help"]):
+        build_parser(light=True).print_help()  # the subcommands' list, in a fraction of a second
+        return
     parser = build_parser()
     cfg = parse(parser, argv)
     try:

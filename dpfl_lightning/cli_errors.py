@@ -155,7 +155,8 @@ def _class_not_found(key: str, name: str, detail: str = "") -> str:
             return (f"{key}={name}: cannot import it ({detail or 'module not found'}). Fix: check the class path; "
                     f"for your own module, run dpfl in the directory that holds {top} (or {top}.py), or add that "
                     "directory to PYTHONPATH (PYTHONPATH=path/to/dir dpfl ...)")
-        here = [n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_")]
+        names = [n for n in dir(module) if not n.startswith("_")]  # dir(): lazily exported names too (PEP 562)
+        here = [n for n in names if inspect.isclass(getattr(module, n, None))]
         guess = closest(name.rsplit(".", 1)[1], here)
         fix = _did_you_mean(f"{module.__name__}.{guess}") if guess else f"{module.__name__} defines no such class"
         return f"{key}={name}: no such class. Fix: {fix}"

@@ -1,38 +1,41 @@
-"""Plugins: one per file, each a :class:`FederatedCallback`."""
+"""Plugins: one per file, each a :class:`FederatedCallback`. The names load on first use (PEP 562):
+``from dpfl_lightning.plugins import UpdateClipping`` does not load Opacus (``DPSGD`` does, when a
+DP-SGD run sets up)."""
 
-from dpfl_lightning.contexts import ClientContext, ServerContext, SetupContext
-from dpfl_lightning.payload import Aggregate, Segment
-from dpfl_lightning.plugins.adaptive_clipping import AdaptiveClip
-from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.plugins.clipping import UpdateClipping
-from dpfl_lightning.plugins.dpsgd import DPSGD
-from dpfl_lightning.plugins.fedexp import FedEXP
-from dpfl_lightning.plugins.gaussian_noise import GaussianNoise
-from dpfl_lightning.plugins.normalization import UpdateNormalization
-from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
-from dpfl_lightning.plugins.privunit_randomizer import PrivUnitRandomizer
-from dpfl_lightning.plugins.scaffnew import ScaffNew
-from dpfl_lightning.plugins.scaffold import SCAFFOLD
-from dpfl_lightning.plugins.sensitivity import SensitivityBound
-from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
+from __future__ import annotations
 
-__all__ = [
-    "AdaptiveClip",
-    "Aggregate",
-    "FedEXP",
-    "PrivUnitRandomizer",
-    "SCAFFOLD",
-    "ScaffNew",
-    "ClientContext",
-    "DPSGD",
-    "FederatedCallback",
-    "GaussianNoise",
-    "PrivacyLedger",
-    "Segment",
-    "SensitivityBound",
-    "ServerContext",
-    "ServerOptimizer",
-    "SetupContext",
-    "UpdateClipping",
-    "UpdateNormalization",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "AdaptiveClip": "dpfl_lightning.plugins.adaptive_clipping",
+    "Aggregate": "dpfl_lightning.payload",
+    "ClientContext": "dpfl_lightning.contexts",
+    "DPSGD": "dpfl_lightning.plugins.dpsgd",
+    "FedEXP": "dpfl_lightning.plugins.fedexp",
+    "FederatedCallback": "dpfl_lightning.plugins.base",
+    "GaussianNoise": "dpfl_lightning.plugins.gaussian_noise",
+    "PrivUnitRandomizer": "dpfl_lightning.plugins.privunit_randomizer",
+    "PrivacyLedger": "dpfl_lightning.plugins.privacy_ledger",
+    "SCAFFOLD": "dpfl_lightning.plugins.scaffold",
+    "ScaffNew": "dpfl_lightning.plugins.scaffnew",
+    "Segment": "dpfl_lightning.payload",
+    "SensitivityBound": "dpfl_lightning.plugins.sensitivity",
+    "ServerContext": "dpfl_lightning.contexts",
+    "ServerOptimizer": "dpfl_lightning.plugins.server_optimizer",
+    "SetupContext": "dpfl_lightning.contexts",
+    "UpdateClipping": "dpfl_lightning.plugins.clipping",
+    "UpdateNormalization": "dpfl_lightning.plugins.normalization",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dpfl_lightning.plugins' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -23,15 +23,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-from opacus import GradSampleModule
-from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
-from opacus.optimizers import DPOptimizer
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
-from opacus.utils.module_utils import has_trainable_params, trainable_modules
-from opacus.validators import ModuleValidator
 
 from dpfl_lightning import rng
 from dpfl_lightning.data.module import record_sampling_rate
@@ -42,160 +36,12 @@ from dpfl_lightning.privacy.guarantees import guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism, RecordProfile
 
 
-def _unsupported_layers(model: torch.nn.Module) -> list[str]:
-    """Opacus's objections to the model's layers. Its "needs to be in training mode" is left out: the
-    modes are the user's until training (a hook may switch them), and a layer that runs in eval mode
-    is refused then, by name."""
-    errors = (str(e) for e in ModuleValidator.validate(model, strict=False))
-    return list(dict.fromkeys(e for e in errors if "training mode" not in e))
+def _opacus() -> Any:
+    """Opacus's side of DP-SGD (:mod:`dpfl_lightning.plugins.opacus_glue`), loaded when a DP-SGD run
+    sets up: ``import dpfl_lightning`` does not load Opacus."""
+    from dpfl_lightning.plugins import opacus_glue
 
-
-def _has_params(module: torch.nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
-
-class _GradSamples(GradSampleModule):
-    """Opacus's ``GradSampleModule`` that hooks each layer once, frozen layers included.
-
-    Opacus walks the module tree by name, so a layer registered under two names (``self.head =
-    self.net[2]``) would be hooked twice, and a layer inside a module whose per-record gradients
-    Opacus takes whole with ``functorch`` (a module with parameters of its own and no grad sampler:
-    children included) would be hooked again where it is registered under another name; both would
-    add its per-record gradients twice. (A parameter shared by two different layers, tied weights, is
-    hooked in each, which adds its own part: right.)
-
-    Opacus hooks only the layers trainable when it wraps the model; the model is wrapped once per run,
-    so a layer frozen then and unfrozen in a later round (gradual unfreezing) would have no per-record
-    gradients. Every layer with parameters is hooked here: Opacus's hooks skip a layer while none of
-    its parameters needs a gradient, so a frozen layer costs nothing until it is unfrozen."""
-
-    def __init__(self, m: torch.nn.Module, **kwargs: Any) -> None:
-        super().__init__(m, **kwargs)
-        for p in m.parameters():  # what Opacus sets on trainable parameters only
-            if not hasattr(p, "_forward_counter"):
-                p.grad_sample = None
-                p._forward_counter = 0
-
-    def iterate_submodules(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
-        found = list({id(m): m for m in self._with_params(module)}.values())  # each once, in order
-        whole = [m for m in found if self._takes_children(m)]
-        inside = {id(sub) for m in whole for sub in m.modules() if sub is not m}
-        return [m for m in found if id(m) not in inside]
-
-    def _with_params(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
-        """Opacus's walk (``GradSampleModule.iterate_submodules``) over layers with parameters, trainable
-        or not."""
-        if _has_params(module):
-            yield module
-        if self._takes_children(module):
-            return
-        for child in module.children():
-            yield from self._with_params(child)
-
-    def _takes_children(self, module: torch.nn.Module) -> bool:
-        """Opacus's rule for a module it does not recurse into (its per-record gradients come whole)."""
-        return _has_params(module) and type(module) not in self.GRAD_SAMPLERS \
-            and type(module) not in (DPRNN, DPLSTM, DPGRU)
-
-
-def _fixes(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
-    """``(name, layer, replacement)`` for every layer of ``model`` that one of Opacus's fixers
-    (``ModuleValidator.FIXERS``: BatchNorm -> GroupNorm, LSTM -> DPLSTM, ...) replaces.
-    ``ModuleValidator.fix`` makes them on a copy of the whole model made with ``torch.save``, which
-    fails for a module holding a lambda or a class defined inside a function: they are made here from
-    the model's own layers."""
-    out = []
-    for name, sub in trainable_modules(model):
-        fixer = ModuleValidator.FIXERS.get(type(sub))
-        if fixer is not None:
-            out.append((name, sub, fixer(sub).to(next(sub.parameters()).device)))
-    return out
-
-
-def _attention(model: torch.nn.Module) -> list[str]:
-    """The trainable ``nn.MultiheadAttention`` layers. Opacus's fixer would replace them by its
-    ``DPMultiheadAttention``, which computes another function for ``batch_first=True`` inputs (its
-    output is reshaped across heads), takes per-record gradients over the sequence axis for
-    sequence-first inputs (the per-record gradients here are batch-first), and fails an assertion on
-    the ``is_causal`` hint that torch's Transformer layers pass with a causal mask."""
-    return [name for name, sub in trainable_modules(model) if type(sub) is torch.nn.MultiheadAttention]
-
-
-def _put(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-
-
-class KeyedDPOptimizer(DPOptimizer):
-    """Opacus's ``DPOptimizer`` whose noise comes from one of the run's streams (keyed by
-    (seed, round, client), or the CSPRNG in secure mode) instead of a torch generator, whose
-    ``manual_seed`` would use only 32 bits.
-
-    A step for which no backward ran (``training_step`` returned ``None``) is still a noisy step: the
-    clipped sum is zero and the full noise is added, so every sampled batch is one release, as the
-    accountant counts (like an empty Poisson batch).
-
-    Its own rules, which the local loop honours without knowing them
-    (:mod:`dpfl_lightning.optimizer_calls`): at most one step per batch in manual optimization (the
-    accountant counts one noisy step per sampled batch), and no clipping of the batch gradient
-    (every record's gradient is clipped, and the batch gradient is ignored)."""
-
-    def __init__(self, *args: Any, noise_stream: rng.Stream, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.noise_stream = noise_stream
-        self.steps_this_batch: int | None = None  # counted from the first on_train_batch_start
-
-    def on_train_batch_start(self) -> None:
-        """Before every ``training_step`` of manual optimization (the module steps this optimizer)."""
-        self.steps_this_batch = 0
-
-    def step(self, closure: Any = None) -> Any:
-        if self.steps_this_batch is not None:
-            self.steps_this_batch += 1
-            if self.steps_this_batch > 1:
-                raise ConfigError("DPSGD", "optimizer.step()", "training_step stepped the DP-SGD optimizer more "
-                                  "than once on one batch, but the accountant counts one noisy step per sampled "
-                                  "batch", "step each optimizer at most once per training_step")
-        return super().step(closure)
-
-    def check_gradient_clipping(self, clip_val: float) -> None:
-        """Clipping the batch gradient (``self.clip_gradients``, ``configure_gradient_clipping``) is refused."""
-        raise ConfigError("gradient clipping", clip_val, "DP-SGD clips every record's gradient at max_grad_norm and "
-                          "ignores the batch gradient, so clipping it has no effect",
-                          "remove the clipping (DPSGD(max_grad_norm=...) is the bound)")
-
-    @property
-    def accumulated_iterations(self) -> int:
-        if all(getattr(p, "grad_sample", None) is None for p in self.params):
-            return 1  # a step without per-record gradients (see the class docstring)
-        return super().accumulated_iterations
-
-    def pre_step(self, closure: Any = None) -> bool:
-        params = self.params
-        if params and all(getattr(p, "grad_sample", None) is None for p in params):
-            for p in params:  # no per-record gradients this step: their clipped sum is zero
-                if p.summed_grad is None:
-                    p.summed_grad = torch.zeros_like(p)
-            if self._check_skip_next_step():
-                self._is_last_step_skipped = True
-                return False
-            self.add_noise()
-            self.scale_grad()
-            if self.step_hook:
-                self.step_hook(self)
-            self._is_last_step_skipped = False
-            return True
-        return super().pre_step(closure)
-
-    def add_noise(self) -> None:
-        std = self.noise_multiplier * self.max_grad_norm
-        for p in self.params:
-            _check_processed_flag(p.summed_grad)
-            grad = p.summed_grad
-            if std > 0:
-                grad = grad + self.noise_stream.normal(grad.shape, std, grad.device, grad.dtype)
-            p.grad = grad.view_as(p)
-            _mark_as_processed(p.summed_grad)
+    return opacus_glue
 
 
 def _one_optimizer(opts: list[torch.optim.Optimizer]) -> None:
@@ -269,7 +115,7 @@ class DPSGD(FederatedCallback):
         """The local loop's settings are checked first (before a layer is replaced), then Opacus's
         objections to the model's layers (``fix_model`` replaces them)."""
         self._check_local_loop(ctx.module)
-        problems = _unsupported_layers(model)
+        problems = _opacus().unsupported_layers(model)
         if not problems:
             return model
         if not self.fix_model:
@@ -277,20 +123,20 @@ class DPSGD(FederatedCallback):
                               f"Opacus cannot compute per-record gradients for this model: {'; '.join(problems)}",
                               "set DPSGD(fix_model=True) to replace those layers (BatchNorm -> GroupNorm), "
                               "or change the model")
-        attention = _attention(model)
+        attention = _opacus().attention_layers(model)
         if attention:
             raise ConfigError("DPSGD.fix_model", attention[:3], "Opacus's replacement of nn.MultiheadAttention "
                               "(DPMultiheadAttention) computes another function on batch_first inputs, per-record "
                               "gradients over the sequence axis on sequence-first ones, and fails on the is_causal hint "
                               "of torch's Transformer layers", "freeze the attention layers (requires_grad=False), or "
                               "protect the clients' data with DP-FedAvg (update clipping and noise) instead of DPSGD")
-        fixes = _fixes(model)
+        fixes = _opacus().layer_fixes(model)
         for name, _, new in fixes:
-            _put(model, name, new)
-        left = _unsupported_layers(model)
+            _opacus().put_layer(model, name, new)
+        left = _opacus().unsupported_layers(model)
         if left:  # the model as it was: nothing half-changed
             for name, old, _ in reversed(fixes):
-                _put(model, name, old)
+                _opacus().put_layer(model, name, old)
             raise ConfigError("DPSGD.fix_model", True, f"layers remain that Opacus cannot handle: {'; '.join(left)}",
                               "change the model")
         self.replaced = [f"{name}: {type(old).__name__} -> {type(new).__name__}" for name, old, new in fixes]
@@ -339,15 +185,15 @@ class DPSGD(FederatedCallback):
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             # Hooks on the layers: the module's own training_step computes per-record gradients. Set
             # here, not in setup, so that a run failing during set-up leaves no hooks on the model.
-            self._grad_sample_module = _GradSamples(ctx.model, strict=False, loss_reduction=self.loss_reduction)
+            self._grad_sample_module = _opacus().GradSamples(ctx.model, strict=False, loss_reduction=self.loss_reduction)
             # Opacus records a layer's activations only in train mode, and the submodules keep the
             # modes the user gives them (hooks such as on_train_start may change them): a trainable
             # layer run in eval mode with gradients on is refused when it runs, with its name.
             # (every layer with parameters: one frozen now may be unfrozen in a later round, and is then
             # checked as set-up checked the trainable ones)
-            checked = {id(m) for _, m in trainable_modules(ctx.model)}
+            checked = {id(m) for _, m in _opacus().trainable_modules(ctx.model)}
             self._mode_hooks = [m.register_forward_pre_hook(self._check_layer(name or type(m).__name__, checked))
-                                for name, m in ctx.model.named_modules() if _has_params(m)]
+                                for name, m in ctx.model.named_modules() if _opacus().has_params(m)]
 
     def _client_profiles(self, ctx) -> tuple[RecordProfile, ...]:
         """Clients grouped by dataset size (their sampling rate and steps differ)."""
@@ -402,7 +248,7 @@ class DPSGD(FederatedCallback):
         n = client.num_samples
         expected = n * record_sampling_rate(n, client.plan.batch_size)
         stream = client.random.stream(client.round_idx, client.client, rng.RECORD_NOISE)
-        return KeyedDPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+        return _opacus().KeyedDPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
                                 expected_batch_size=expected, loss_reduction=self.loss_reduction, noise_stream=stream)
 
     @staticmethod
@@ -411,7 +257,7 @@ class DPSGD(FederatedCallback):
         must run in train mode (Opacus records nothing of a layer in eval mode), and a layer unfrozen
         after set-up must be one Opacus supports (checked at its first such forward)."""
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if not torch.is_grad_enabled() or not has_trainable_params(module):
+            if not torch.is_grad_enabled() or not _opacus().has_trainable_params(module):
                 return
             if not module.training:
                 raise ConfigError("model", name, "DP-SGD needs per-record gradients of every trainable layer, and "
@@ -419,7 +265,7 @@ class DPSGD(FederatedCallback):
                                   "keep the layer in train mode while training, or freeze its parameters "
                                   "(requires_grad=False)")
             if id(module) not in checked:
-                problems = _unsupported_layers(module)
+                problems = _opacus().unsupported_layers(module)
                 if problems:
                     raise ConfigError("model", name, "a layer unfrozen during training is one Opacus cannot compute "
                                       f"per-record gradients for: {'; '.join(problems)}",

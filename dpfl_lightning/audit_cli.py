@@ -25,7 +25,7 @@ from typing import Any
 
 from jsonargparse import ArgumentParser
 
-from dpfl_lightning.cli import expect_model_labels, fit_parser
+from dpfl_lightning.cli_config import expect_model_labels
 from dpfl_lightning.errors import require
 from dpfl_lightning.plugins.canary import THREAT_MODELS, CanaryClients
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
@@ -33,19 +33,6 @@ from dpfl_lightning.privacy.audit import LowerBound, many_run_lower_bound
 
 EXIT_VIOLATION = 1
 _ROW = "{:<30} {:<32} {}"
-
-
-def audit_parser() -> ArgumentParser:
-    p = fit_parser()
-    p.description = ("Audit a fit configuration with canary clients: the ledger's epsilon next to an empirical "
-                     "estimate and lower bounds. Exit status 1 if a lower bound exceeds the ledger's epsilon.")
-    p.add_argument("--canaries", type=int | None, default=None,
-                   help="canary clients of the one-run audit, each inserted with probability 1/2 "
-                        "(default: min(100, clients / 2); at most the number of clients)")
-    p.add_argument("--trials", type=int | None, default=None,
-                   help="many-run audit instead: N runs with one canary and N without, in secure mode")
-    p.add_argument("--confidence", type=float, default=0.95, help="joint confidence of the lower bounds")
-    return p
 
 
 def _build(parser: ArgumentParser, cfg: Any, **trainer_settings: Any):

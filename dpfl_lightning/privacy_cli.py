@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dpfl_lightning.cli_config import federated_data
 from dpfl_lightning.comm import LocalCommunicator
 from dpfl_lightning.errors import require
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
@@ -122,7 +123,8 @@ def run(parser: Any, cfg: Any) -> None:
     if pcfg.privacy_command == "epsilon":
         sub = pcfg.epsilon
         init = parser.instantiate_classes(cfg).privacy.epsilon
-        ledger = plan_run(init.trainer, init.data, sub.accountant, sub.delta, getattr(init, "model", None))
+        data = federated_data(init.data, sub.split)  # a plain LightningDataModule is split as `dpfl fit` splits it
+        ledger = plan_run(init.trainer, data, sub.accountant, sub.delta, getattr(init, "model", None))
         _print_epsilon(init.trainer, ledger)
     elif pcfg.privacy_command == "calibrate":
         _calibrate(pcfg.calibrate)

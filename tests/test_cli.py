@@ -264,3 +264,17 @@ def test_under_wandb_agent_a_run_without_a_wandb_logger_gets_one(tmp_path, monke
                              "--trainer.log_dir", str(tmp_path)])
     trainer = cli.run_fit(parser, cfg)
     assert [type(lg) for lg in trainer.extra_loggers] == [WandbLogger]
+
+
+def test_privacy_epsilon_splits_a_lightning_datamodule_as_fit_does(tmp_path, monkeypatch, capsys):
+    # dpfl privacy epsilon on the same config as a DP fit: the plain DataModule is split by `split:`
+    # (20 clients: Poisson rate 5/20), and the planned epsilon is the one the fit logs
+    dp = ["--trainer.algorithm", "dpfl_lightning.algorithms.DPFedAvg", "--trainer.algorithm.clip", "1.0",
+          "--trainer.algorithm.noise_multiplier", "1.5", "--trainer.sampling", "poisson"]
+    trainer = _user_run(tmp_path, monkeypatch, *dp)
+    capsys.readouterr()
+    cli.main(["privacy", "epsilon", "-c", "run.yaml", *dp])
+    out = capsys.readouterr().out
+    planned = float(re.search(r"epsilon = ([0-9.]+) after 2 rounds", out).group(1))
+    assert "q=0.25" in out
+    assert planned == pytest.approx(trainer.history[-1]["epsilon"], abs=1e-4)

@@ -27,7 +27,6 @@ in its ``hparams.yaml``.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -39,6 +38,7 @@ from typing import Any
 import yaml
 
 from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.run_files import read_metrics, short_keys
 
 #: default metric: the first of these that any run logged (else every metric)
 PREFERRED = ("test_acc", "val_acc", "test_accuracy", "val_accuracy", "accuracy", "acc", "test_loss", "val_loss",
@@ -48,29 +48,6 @@ _BOOKKEEPING = ("round", "step", "round_time_s", "clients", "skipped_clients")
 _NOT_CONFIG = ("trainer.run_name", "trainer.log_dir", "trainer.checkpoint_dir", "trainer.checkpoint_every",
                "trainer.loggers", "trainer.enable_progress_bar", "trainer.enable_summary", "trainer.num_threads",
                "privacy")
-
-
-def read_metrics(path: str) -> list[dict[str, float]]:
-    """The rows of a ``metrics.csv`` as ``{column: float}`` without empty cells, one per round
-    (sorted; a round logged twice keeps its last row)."""
-    by_round: dict[float, dict[str, float]] = {}
-    extra: list[dict[str, float]] = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            values: dict[str, float] = {}
-            for k, v in row.items():
-                if k is None or v in (None, ""):
-                    continue
-                try:
-                    values[k] = float(v)
-                except ValueError:
-                    continue
-            r = values.get("round", values.get("step"))
-            if r is None:
-                extra.append(values)
-            else:
-                by_round[r] = values
-    return [by_round[r] for r in sorted(by_round)] + extra
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -218,7 +195,6 @@ def group_runs(runs: list[Run]) -> list[Group]:
     """Runs grouped by configuration minus the seed; each group labelled by the settings that
     differ between groups (``algorithm=DPNormFedAvg, scale=50``), sorted by label (numbers as
     numbers), its runs by seed."""
-    from dpfl_lightning.sweep import _short_keys
 
     def defining(run: Run) -> dict[str, Any]:
         return {k: v for k, v in run.config.items() if not _is_run_key(k)}
@@ -235,7 +211,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
     keys = sorted({k for c in configs for k in c})
     varying = [k for k in keys if len({json.dumps(c.get(k, "<unset>"), default=str) for c in configs}) > 1]
     names = {k: k.rsplit(".", 1)[0] if k.endswith(".class_path") else k for k in varying}
-    short = _short_keys(list(dict.fromkeys(names.values())))
+    short = short_keys(list(dict.fromkeys(names.values())))
     for g, c in zip(groups.values(), configs):
         parts = [f"{short[names[k]]}={_value_label(k, c[k])}" for k in varying if k in c]
         g.label = ", ".join(parts) if parts else (g.runs[0].label if len(groups) > 1 else "all runs")

@@ -61,7 +61,6 @@ grouped under the sweep's name (``WANDB_RUN_GROUP``); ``project``/``entity`` of 
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import itertools
 import json
@@ -79,6 +78,7 @@ from typing import Any
 import yaml
 
 from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.run_files import final_metric, is_private_run, short_keys
 from dpfl_lightning.run.setup import available_cpus
 
 METHODS = ("grid", "random")
@@ -308,23 +308,6 @@ def run_names(configs: list[dict[str, Any]], constant: tuple[str, ...] | list[st
 
 
 # ---------------------------------------------------------------------------------------- names and commands
-def _short_keys(keys: list[str]) -> dict[str, str]:
-    """The shortest dotted suffix of each key that is unique among ``keys`` (``trainer.seed`` ->
-    ``seed``, unless ``data.init_args.seed`` is also there)."""
-    out = {}
-    for k in keys:
-        parts = [p for p in k.split(".") if p != "init_args"]
-        for n in range(1, len(parts) + 1):
-            cand = ".".join(parts[-n:])
-            clash = [o for o in keys if o != k and ".".join([p for p in o.split(".") if p != "init_args"][-n:]) == cand]
-            if not clash:
-                out[k] = cand
-                break
-        else:
-            out[k] = k
-    return out
-
-
 def _value_slug(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -364,7 +347,7 @@ def run_name(params: dict[str, Any], constant: tuple[str, ...] | list[str] = ())
     every run, left out), e.g. ``local_steps=5_seed=1``; names longer than 100 characters are cut
     and end with a hash of all the parameters."""
     varying = {k: v for k, v in params.items() if k not in constant} or params
-    short = _short_keys(list(varying))
+    short = short_keys(list(varying))
     name = "_".join(t for k, v in varying.items() for t in _tokens(short[k], v))
     name = _SAFE.sub("-", name).strip("-_") or "run"
     if len(name) > MAX_NAME:
@@ -445,21 +428,6 @@ class RunResult:
     metric: float | None = None
 
 
-def is_private_run(run_dir: str) -> bool:
-    """Whether the run in ``run_dir`` is a DP run (its ``hparams.yaml`` holds privacy settings);
-    a run that wrote none (it failed early) counts as one. How long a DP run's rounds took depends
-    on its cohorts' data, and no mechanism covers it: the sweep then records no duration or end time."""
-    found = sorted(glob.glob(os.path.join(run_dir, "version_*", "hparams.yaml")))
-    if not found:
-        return True
-    try:
-        with open(found[-1]) as f:
-            hparams = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError):
-        return True
-    return bool(hparams.get("privacy")) if isinstance(hparams, dict) else True
-
-
 def _read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
@@ -488,22 +456,6 @@ def _last_error_line(log_path: str) -> str:
         return ""
     errors = [ln for ln in lines if ln.startswith("dpfl: error") or "Error" in ln.split(":", 1)[0]]
     return (errors or lines or [""])[-1][:300]
-
-
-def final_metric(run_dir: str, metric: str | None) -> float | None:
-    """The last logged value of ``metric`` in the newest ``version_N/metrics.csv`` of ``run_dir``."""
-    if not metric:
-        return None
-    from dpfl_lightning.reporting import read_metrics
-
-    versions = sorted((d for d in os.listdir(run_dir) if re.fullmatch(r"version_\d+", d)),
-                      key=lambda d: int(d.split("_")[1])) if os.path.isdir(run_dir) else []
-    for d in reversed(versions):
-        path = os.path.join(run_dir, d, "metrics.csv")
-        if os.path.isfile(path):
-            values = [row[metric] for row in read_metrics(path) if metric in row]
-            return values[-1] if values else None
-    return None
 
 
 def _threads(jobs: int, mpi: int | None) -> int:
@@ -566,31 +518,49 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
     """
     out = out or sys.stderr
     sweep = load_sweep(sweep_file)
+    _check_arguments(jobs, mpi, count)
+    directory = directory or os.path.join("sweeps", sweep.name)
+    configs = configurations(sweep, count, seed)
+    for note in sweep.notes:
+        print(f"dpfl sweep: note: {note}", file=out, flush=True)
+    names = run_names(configs, constant_parameters(sweep))
+    results, todo = _plan_runs(sweep, directory, names, configs, mpi, dry_run, out)
+    if not dry_run:
+        _announce(sweep, directory, len(configs), results, todo, out)
+        _run_jobs(sweep, directory, todo, jobs, _environment(sweep, jobs, mpi), results, out)
+    ordered = [results[name] for name in names]
+    if not dry_run:
+        print_runs(ordered, sweep.metric, out)
+    return ordered
+
+
+def _check_arguments(jobs: int, mpi: int | None, count: int | None) -> None:
     if jobs < 1:
         raise ConfigError("--jobs", jobs, "must be >= 1", "set --jobs 1 or more")
     if mpi is not None and mpi < 1:
         raise ConfigError("--mpi", mpi, "must be >= 1", "give the number of ranks, e.g. --mpi 2")
-    directory = directory or os.path.join("sweeps", sweep.name)
-    runs_dir = os.path.join(directory, "runs")
     if count is not None and (not isinstance(count, int) or count < 1):
         raise ConfigError("--count", count, "must be a whole number >= 1", "set --count 1 or more, or leave it out")
-    configs = configurations(sweep, count, seed)
-    for note in sweep.notes:
-        print(f"dpfl sweep: note: {note}", file=out, flush=True)
-    env = _environment(sweep, jobs, mpi)
-    total = len(configs)
-    names = run_names(configs, constant_parameters(sweep))
-    results, todo = _plan_runs(sweep, directory, names, configs, mpi, dry_run, out)
+
+
+def _announce(sweep: Sweep, directory: str, total: int, results: dict[str, RunResult], todo: list, out: Any) -> None:
+    """What the sweep will do, and a copy of its file in its directory."""
     skipped = sum(r.status == "skipped" for r in results.values())
-    if not dry_run:
-        print(f"dpfl sweep {sweep.name}: {total} configuration(s), {skipped} done before, {len(todo)} to run "
-              f"in {directory}", file=out, flush=True)
-        os.makedirs(os.path.join(directory, "logs"), exist_ok=True)
-        try:
-            with open(sweep.path) as src, open(os.path.join(directory, "sweep.yaml"), "w") as dst:
-                dst.write(src.read())
-        except OSError:  # pragma: no cover - informational copy only
-            pass
+    print(f"dpfl sweep {sweep.name}: {total} configuration(s), {skipped} done before, {len(todo)} to run "
+          f"in {directory}", file=out, flush=True)
+    os.makedirs(os.path.join(directory, "logs"), exist_ok=True)
+    try:
+        with open(sweep.path) as src, open(os.path.join(directory, "sweep.yaml"), "w") as dst:
+            dst.write(src.read())
+    except OSError:  # pragma: no cover - informational copy only
+        pass
+
+
+def _run_jobs(sweep: Sweep, directory: str, todo: list[tuple[str, dict[str, Any], list[str]]], jobs: int,
+              env: dict[str, str], results: dict[str, RunResult], out: Any) -> None:
+    """The job runner: ``todo``'s commands, ``jobs`` at a time; every run's result into ``results``
+    (Ctrl-C ends the running ones)."""
+    runs_dir = os.path.join(directory, "runs")
     running: list[tuple[str, dict[str, Any], list[str], subprocess.Popen, Any, float]] = []
     queue = list(todo)
     started = 0
@@ -623,10 +593,6 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
                 proc.kill()
             log.close()
         raise
-    ordered = [results[name] for name in names]
-    if not dry_run:
-        print_runs(ordered, sweep.metric, out)
-    return ordered
 
 
 def _start_run(sweep: Sweep, directory: str, runs_dir: str, name: str, params: dict[str, Any], cmd: list[str],

@@ -301,3 +301,20 @@ def test_calibrate_refuses_delta_at_or_above_one_over_n(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--delta" in err and "1/50" in err
+
+
+def test_accountants_come_from_one_registry():
+    from dpfl_lightning.privacy import ACCOUNTANTS, GaussianRelease, create_accountant, epsilon
+
+    assert sorted(ACCOUNTANTS) == ["pld", "prv", "rdp"]
+    with pytest.raises(ConfigError, match=r"PrivacyLedger.accountant='moments': unknown accountant. Fix: use one of rdp, pld, prv"):
+        create_accountant("moments", "PrivacyLedger.accountant")
+    poisson = GaussianRelease(1.1, "poisson", 0.01)
+    fixed = GaussianRelease(1.1, "without_replacement", 0.01, "replace_one", population=1000, sample_size=10)
+    eps = {name: epsilon(poisson, 1000, 1e-5, name) for name in ACCOUNTANTS}
+    assert [e.method for e in eps.values()] == list(ACCOUNTANTS)  # each accounts what it supports itself
+    assert eps["pld"].epsilon < eps["rdp"].epsilon and eps["prv"].epsilon < eps["rdp"].epsilon  # tighter than RDP
+    for name in ("pld", "prv"):  # sampling without replacement: RDP's bound, saying why
+        e = epsilon(fixed, 1000, 1e-5, name)
+        assert e.method == "rdp" and "without replacement" in e.note
+        assert e.epsilon == epsilon(fixed, 1000, 1e-5, "rdp").epsilon

@@ -26,7 +26,7 @@ import numpy as np
 
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.base import ORDER_LEDGER, FederatedCallback
-from dpfl_lightning.privacy.accountants import ACCOUNTANTS, PLD_DISCRETIZATION, epsilon
+from dpfl_lightning.privacy.accountants import PLD_DISCRETIZATION, create_accountant, epsilon
 from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.releases import MetricRelease
@@ -54,8 +54,8 @@ class PrivacyLedger(FederatedCallback):
 
     def __init__(self, delta: float | None = None, accountant: str | None = None, budget: float | None = None,
                  pld_discretization: float = PLD_DISCRETIZATION, relation: str | None = None) -> None:
-        require(accountant is None or accountant in ACCOUNTANTS, "PrivacyLedger.accountant", accountant,
-                "unknown accountant", f"use one of {', '.join(ACCOUNTANTS)}")
+        if accountant is not None:
+            create_accountant(accountant, "PrivacyLedger.accountant")
         require(delta is None or (isinstance(delta, (int, float)) and 0 < delta < 1), "PrivacyLedger.delta", delta,
                 "must be in (0, 1)", "set delta well below 1/N, e.g. 1e-5")
         require(budget is None or (math.isfinite(budget) and budget > 0), "PrivacyLedger.budget", budget,

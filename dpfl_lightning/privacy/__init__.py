@@ -2,8 +2,8 @@
 epsilon from dp_accounting / Opacus, and noise calibration. (The per-round ledger is a plugin:
 :class:`dpfl_lightning.plugins.PrivacyLedger`.)"""
 
-from dpfl_lightning.privacy.accountants import ACCOUNTANTS, Epsilon, GaussianRelease, Release, epsilon
+from dpfl_lightning.privacy.accountants import ACCOUNTANTS, Epsilon, GaussianRelease, Release, create_accountant, epsilon
 from dpfl_lightning.privacy.calibrate import calibrate_noise, max_steps
 from dpfl_lightning.privacy.mechanisms import Mechanism
 
-__all__ = ["ACCOUNTANTS", "Epsilon", "GaussianRelease", "Mechanism", "Release", "calibrate_noise", "epsilon", "max_steps"]
+__all__ = ["ACCOUNTANTS", "create_accountant", "Epsilon", "GaussianRelease", "Mechanism", "Release", "calibrate_noise", "epsilon", "max_steps"]

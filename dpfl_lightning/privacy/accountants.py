@@ -37,7 +37,6 @@ from dpfl_lightning.errors import require
 # then excluded, which is what we want. Keep the console readable.
 absl_logging.set_verbosity(absl_logging.ERROR)
 
-ACCOUNTANTS = ("rdp", "pld", "prv")
 SAMPLINGS = ("poisson", "without_replacement", "none")
 RELATIONS = {"add_remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace_one": NeighboringRelation.REPLACE_ONE}
 PLD_DISCRETIZATION = 1e-3  # dp_accounting's default is 1e-4: ~10x slower for a ~1e-4 relative gain
@@ -263,40 +262,87 @@ def _prv_epsilon(release: Release, steps: int, delta: float) -> float:
         return float(acc.get_epsilon(delta))
 
 
+class RdpAccountant:
+    """Renyi DP (``dp_accounting.rdp``): every release the package declares."""
+
+    name = "rdp"
+
+    def unsupported(self, release: Release) -> str | None:
+        """Why this accountant cannot account ``release`` (it then falls back to RDP), or ``None``."""
+        return None
+
+    def epsilon(self, release: Release, steps: int, delta: float, pld_discretization: float, note: str) -> Epsilon:
+        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", note)
+
+
+class PldAccountant(RdpAccountant):
+    """Privacy loss distributions (``dp_accounting.pld``, pessimistic)."""
+
+    name = "pld"
+
+    def unsupported(self, release: Release) -> str | None:
+        if release.sampling == "without_replacement":
+            return "pld does not support sampling without replacement: RDP upper bound"
+        return None
+
+    def epsilon(self, release: Release, steps: int, delta: float, pld_discretization: float, note: str) -> Epsilon:
+        return Epsilon(_pld_epsilon(release, steps, delta, pld_discretization), "pld", note)
+
+
+class PrvAccountant(RdpAccountant):
+    """Opacus's privacy random variables: the Poisson-subsampled Gaussian under add/remove."""
+
+    name = "prv"
+
+    def unsupported(self, release: Release) -> str | None:
+        if release.sampling == "without_replacement":
+            return "prv does not support sampling without replacement: RDP upper bound"
+        if not release.gaussian:
+            return "prv supports Gaussian releases only: RDP upper bound"
+        if release.relation != "add_remove" and release.sampling != "none":
+            return "prv supports add/remove neighbours only: RDP upper bound"
+        return None
+
+    def epsilon(self, release: Release, steps: int, delta: float, pld_discretization: float, note: str) -> Epsilon:
+        return Epsilon(_prv_epsilon(release, steps, delta), "prv")
+
+
+#: every accountant by the name a configuration gives (``accountant: pld``)
+ACCOUNTANTS: dict[str, type[RdpAccountant]] = {a.name: a for a in (RdpAccountant, PldAccountant, PrvAccountant)}
+
+
+def create_accountant(name: str, setting: str = "privacy.accountant") -> RdpAccountant:
+    """The accountant named ``name``; an unknown name is refused naming ``setting`` and the valid names."""
+    require(name in ACCOUNTANTS, setting, name, "unknown accountant", f"use one of {', '.join(ACCOUNTANTS)}")
+    return ACCOUNTANTS[name]()
+
+
 def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
             pld_discretization: float = PLD_DISCRETIZATION) -> Epsilon:
     """Epsilon at ``delta`` after ``steps`` compositions of ``release``."""
     _check(delta)
-    require(accountant in ACCOUNTANTS, "privacy.accountant", accountant, "unknown accountant",
-            f"use one of {', '.join(ACCOUNTANTS)}")
+    acc = create_accountant(accountant)
     require(isinstance(steps, (int, np.integer)) and not isinstance(steps, bool) and steps >= 0, "steps", steps,
             "must be a whole number of compositions >= 0", "count compositions (rounds, local steps) as integers")
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:
-        return Epsilon(math.inf, accountant, "no noise")
+        return Epsilon(math.inf, acc.name, "no noise")
     note = _unamplified(release)[1]
     pure = release.pure_epsilon
     if pure is not None:  # basic composition of pure DP is valid too, and tighter for few steps
-        res = _epsilon(release, steps, delta, accountant, pld_discretization, note)
+        res = _epsilon(acc, release, steps, delta, pld_discretization, note)
         if steps * pure < res.epsilon:
             return Epsilon(steps * pure, "basic composition", "pure DP, composed linearly")
         return res
-    return _epsilon(release, steps, delta, accountant, pld_discretization, note)
+    return _epsilon(acc, release, steps, delta, pld_discretization, note)
 
 
-def _epsilon(release: Release, steps: int, delta: float, accountant: str, pld_discretization: float,
+def _epsilon(acc: RdpAccountant, release: Release, steps: int, delta: float, pld_discretization: float,
              note: str) -> Epsilon:
-    if accountant == "rdp":
-        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", note)
-    if release.sampling == "without_replacement":
-        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp",
-                       f"{accountant} does not support sampling without replacement: RDP upper bound")
-    if accountant == "pld":
-        return Epsilon(_pld_epsilon(release, steps, delta, pld_discretization), "pld", note)
-    if not release.gaussian:
-        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", "prv supports Gaussian releases only: RDP upper bound")
-    if release.relation != "add_remove" and release.sampling != "none":
-        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", "prv supports add/remove neighbours only: RDP upper bound")
-    return Epsilon(_prv_epsilon(release, steps, delta), "prv")
+    """``acc``'s epsilon, or RDP's upper bound (with the reason) for a release it cannot account."""
+    unsupported = acc.unsupported(release)
+    if unsupported is not None:
+        return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", unsupported)
+    return acc.epsilon(release, steps, delta, pld_discretization, note)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import math
 from typing import Callable
 
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.privacy.accountants import ACCOUNTANTS, GaussianRelease, Release, epsilon, fast_rdp_epsilon
+from dpfl_lightning.privacy.accountants import GaussianRelease, Release, create_accountant, epsilon, fast_rdp_epsilon
 from dpfl_lightning.privacy.guarantees import Guarantee, Profile
 
 Z_MIN, Z_MAX = 1e-3, 1e5
@@ -29,8 +29,7 @@ def _validate(target_epsilon: float, delta: float, accountant: str) -> None:
             "target_epsilon", target_epsilon, "must be a finite number > 0", "set a positive epsilon, e.g. 3.0")
     require(isinstance(delta, (int, float)) and 0 < delta < 1, "delta", delta, "must be in (0, 1)",
             "set delta well below 1/N, e.g. 1e-5")
-    require(accountant in ACCOUNTANTS, "privacy.accountant", accountant, "unknown accountant",
-            f"use one of {', '.join(ACCOUNTANTS)}")
+    create_accountant(accountant)
 
 
 def _check_sampling_rate(rate: float) -> None:

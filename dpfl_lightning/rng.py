@@ -45,13 +45,41 @@ DATA = 6  # a client's shuffling of its records (not a privacy mechanism)
 RECORD_SAMPLING = 7  # DP-SGD's batches (part of the accounted mechanism)
 RECORD_NOISE = 8  # DP-SGD's noise
 COIN = 9  # shared coins that change the round plan (ScaffNew)
-PLUGIN = 100  # plugins add their own offset (e.g. PLUGIN + 10) for further streams
+PLUGIN = 100  # plugin purposes are numbered from here: see PLUGIN_PURPOSES and purpose()
 
 SERVER_CLIENT = -1  # the "client" of draws that belong to the server
 
 # Purposes whose draws a DP guarantee relies on: secure mode draws them from the CSPRNG. So does
 # every plugin purpose (>= PLUGIN): a plugin's stream is presumed to be part of a mechanism.
 PRIVATE_PURPOSES = frozenset({SAMPLING, CLIENT_NOISE, CENTRAL_NOISE, RECORD_SAMPLING, RECORD_NOISE, COIN})
+
+
+#: every built-in plugin's streams by name. The numbers are part of the keys of their draws: changing
+#: one changes every run that uses it. A plugin asks for its number with :func:`purpose`.
+PLUGIN_PURPOSES: dict[str, int] = {
+    "FedEXP.xi_noise": PLUGIN + 20,  # CDP-FedEXP's noise on the sum of squared norms
+    "PrivUnitRandomizer.privunit": PLUGIN + 30,  # PrivUnit's and ScalarDP's local randomness
+    "AdaptiveClip.count_noise": PLUGIN + 40,  # the noise on the count of unclipped clients
+    "SCAFFOLD.warm_cohorts": PLUGIN + 50,  # the warm start's permutation of the population
+    "CanaryClients.canary": PLUGIN + 70,  # the audit's canary slots, coins and directions
+}
+_DERIVED_BASE = PLUGIN + 1000  # numbers of purposes that no built-in plugin lists
+
+
+def purpose(name: str) -> int:
+    """The stream purpose of ``name`` (``"<Plugin>.<use>"``): a built-in one's listed number, else a
+    number derived from the name alone (so it does not depend on which plugins were imported first),
+    registered so that no two names share one. Every plugin purpose is private (see :func:`is_private`)."""
+    if name in PLUGIN_PURPOSES:
+        return PLUGIN_PURPOSES[name]
+    number = _DERIVED_BASE + int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
+    # (a secure stream also keys torch's generator with purpose + 10_000: those numbers are taken too)
+    taken = {n + shift: k for k, n in PLUGIN_PURPOSES.items() for shift in (-10_000, 0, 10_000)}
+    if number in taken:
+        raise ValueError(f"rng.purpose: {name!r} and {taken[number]!r} derive the same stream purpose {number}; "
+                         "rename one of them")
+    PLUGIN_PURPOSES[name] = number
+    return number
 
 
 def is_private(purpose: int) -> bool:

@@ -162,3 +162,21 @@ def test_first_words_of_many_streams_are_each_streams_own_words(n):
         together = source.data_words(4, [0, 1, 999], n)
         alone = np.stack([source.stream(4, c, rng.DATA).words(n) for c in (0, 1, 999)])
         assert together.dtype == alone.dtype and np.array_equal(together, alone)
+
+
+def test_plugin_purposes_are_registered_by_name_and_never_shared(monkeypatch):
+    from dpfl_lightning.plugins import adaptive_clipping, canary, fedexp, privunit_randomizer, scaffold
+
+    used = {fedexp.XI_NOISE, adaptive_clipping.COUNT_NOISE, canary.CANARY, privunit_randomizer.PRIVUNIT,
+            scaffold.WARM_COHORTS}
+    assert used <= set(rng.PLUGIN_PURPOSES.values())  # every built-in plugin's stream is listed in one place
+    assert len(set(rng.PLUGIN_PURPOSES.values())) == len(rng.PLUGIN_PURPOSES)
+    assert all(rng.is_private(n) for n in rng.PLUGIN_PURPOSES.values())  # secure mode draws them from the CSPRNG
+    mine = rng.purpose("MyPlugin.noise")
+    assert mine == rng.purpose("MyPlugin.noise") and mine not in used and rng.is_private(mine)
+    assert rng.purpose("MyPlugin.other") != mine
+    # a name whose number another name holds (or holds shifted by the secure stream's 10_000) is refused
+    monkeypatch.setitem(rng.PLUGIN_PURPOSES, "Squatter.noise", mine - 10_000)
+    monkeypatch.delitem(rng.PLUGIN_PURPOSES, "MyPlugin.noise")
+    with pytest.raises(ValueError, match="'MyPlugin.noise' and 'Squatter.noise' derive the same stream purpose"):
+        rng.purpose("MyPlugin.noise")

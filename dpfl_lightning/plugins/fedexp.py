@@ -44,7 +44,7 @@ from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.releases import MetricRelease
 
 VARIANTS = ("plain", "ldp_gaussian", "ldp_privunit", "cdp")
-XI_NOISE = rng.PLUGIN + 20
+XI_NOISE = rng.purpose("FedEXP.xi_noise")
 
 
 class FedEXP(FederatedCallback):

@@ -74,7 +74,7 @@ from dpfl_lightning.plugins.control_variate_state import (ClientVectors, client_
 from dpfl_lightning.plugins.scaffold_commit import SCAFFOLDCommit
 from dpfl_lightning.releases import MetricRelease
 
-WARM_COHORTS = rng.PLUGIN + 50  # the warm start's permutation of the population
+WARM_COHORTS = rng.purpose("SCAFFOLD.warm_cohorts")  # the warm start's permutation of the population
 
 
 def check_plain_sgd(owner: str, optimizer: torch.optim.Optimizer) -> None:

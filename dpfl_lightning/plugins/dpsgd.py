@@ -31,6 +31,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.data.module import record_sampling_rate
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
+from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
 from dpfl_lightning.privacy.guarantees import guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism, RecordProfile
@@ -51,7 +52,7 @@ def _one_optimizer(opts: list[torch.optim.Optimizer]) -> None:
             "train with one optimizer under DPSGD")
 
 
-class DPSGD(FederatedCallback):
+class DPSGD(CalibratedNoise, FederatedCallback):
     """Train every client with DP-SGD (Opacus).
 
     Args:
@@ -85,9 +86,7 @@ class DPSGD(FederatedCallback):
         require(secure_mode is None, "DPSGD.secure_mode", secure_mode, "secure randomness is one switch for the whole "
                 "run (noise and batch sampling)", "set FederatedTrainer(secure=True) instead")
         check_noise_multiplier("DPSGD", noise_multiplier, allow_infinite_epsilon)
-        if target_epsilon is not None:
-            require(math.isfinite(target_epsilon) and target_epsilon > 0, "DPSGD.target_epsilon", target_epsilon,
-                    "must be a finite number > 0", "set a positive epsilon")
+        self.check_target_epsilon("DPSGD", target_epsilon)
         require(math.isfinite(max_grad_norm) and max_grad_norm > 0, "DPSGD.max_grad_norm", max_grad_norm,
                 "the clipping bound C must be a finite number > 0", "set max_grad_norm, e.g. 1.0")
         require(delta is None or 0 < delta < 1, "DPSGD.delta", delta, "must be in (0, 1)", "set delta well below 1/n")
@@ -280,12 +279,3 @@ class DPSGD(FederatedCallback):
         if self._grad_sample_module is not None:
             self._grad_sample_module.cleanup()  # remove Opacus hooks and attributes from the model
             self._grad_sample_module = None
-
-    def state_dict(self) -> dict:
-        # A calibrated run resumed later must keep the noise it ran with (recalibrating for other
-        # settings would make the ledger misreport the past rounds).
-        return {"noise_multiplier": self.noise_multiplier} if self.target_epsilon is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.noise_multiplier = state["noise_multiplier"]

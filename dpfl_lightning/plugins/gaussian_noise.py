@@ -41,6 +41,7 @@ from dpfl_lightning import frozen, rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.releases import MetricRelease
 
@@ -78,7 +79,7 @@ def check_noise_multiplier(owner: str, value: float | None, allow_infinite_epsil
             f"set noise_multiplier > 0, or {owner}(allow_infinite_epsilon=True) to run without noise knowingly")
 
 
-class GaussianNoise(FederatedCallback):
+class GaussianNoise(CalibratedNoise, FederatedCallback):
     """Add Gaussian noise to client contributions (``local`` / ``distributed``) or to their sum
     (``central``).
 
@@ -106,9 +107,7 @@ class GaussianNoise(FederatedCallback):
                 "pass std=..., noise_multiplier=... or target_epsilon=... (with delta)")
         require(secure is None, "GaussianNoise.secure", secure, "secure randomness is one switch for the whole run "
                 "(noise and sampling)", "set FederatedTrainer(secure=True) instead")
-        if target_epsilon is not None:
-            require(math.isfinite(target_epsilon) and target_epsilon > 0, "GaussianNoise.target_epsilon",
-                    target_epsilon, "must be a finite number > 0", "set a positive epsilon, e.g. 3.0")
+        self.check_target_epsilon("GaussianNoise", target_epsilon)
         require(delta is None or 0 < delta < 1, "GaussianNoise.delta", delta, "must be in (0, 1)",
                 "set delta well below 1/num_clients")
         if std is not None:
@@ -246,12 +245,3 @@ class GaussianNoise(FederatedCallback):
         sq = sum(float(torch.linalg.vector_norm(aggregate[n], dtype=torch.float64)) ** 2 for n in self.segments)
         d = sum(frozen.count(trainable if n == UPDATE else None, aggregate[n].numel()) for n in self.segments)
         return math.sqrt(max(sq - d * sigma * sigma, 0.0)) / (sigma * math.sqrt(d))
-
-    def state_dict(self) -> dict:
-        # A calibrated run resumed later must keep the noise it ran with (recalibrating for other
-        # settings would make the ledger misreport the past rounds).
-        return {"noise_multiplier": self.noise_multiplier} if self.target_epsilon is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.noise_multiplier = state["noise_multiplier"]

@@ -91,3 +91,20 @@ class ClientVectors:
             state[self.key] = self.start.clone()
         self.met[client] = state[self.key]
         return state[self.key]
+
+
+class FlatGrads:
+    """Adds a flat vector to the gradients of the parameters laid out over the module's buffer."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], slices: list[tuple[int, int]]) -> None:
+        self.pairs = list(zip(parameters, slices))
+
+    def add_(self, vector: torch.Tensor) -> None:
+        for p, (o, n) in self.pairs:
+            if p.grad is not None:
+                p.grad.add_(vector[o : o + n].view_as(p.grad))
+
+    def accumulate_into(self, out: torch.Tensor) -> None:
+        for p, (o, n) in self.pairs:
+            if p.grad is not None:
+                out[o : o + n].add_(p.grad.reshape(-1))

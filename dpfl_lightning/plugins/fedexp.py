@@ -39,12 +39,12 @@ from dpfl_lightning import frozen, rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_SERVER_STEP, FederatedCallback
-from dpfl_lightning.plugins.scaffnew import check_uniform_weighting
+from dpfl_lightning.plugins.setup_checks import check_uniform_weighting
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.releases import MetricRelease
 
 VARIANTS = ("plain", "ldp_gaussian", "ldp_privunit", "cdp")
-XI_NOISE = rng.purpose("FedEXP.xi_noise")
+XI_NOISE = rng.register_purpose("FedEXP.xi_noise")
 
 
 class FedEXP(FederatedCallback):

@@ -41,11 +41,12 @@ import math
 import torch
 
 from dpfl_lightning import rng
-from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.errors import require
 from dpfl_lightning.payload import UPDATE
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
-from dpfl_lightning.plugins.control_variate_state import ClientVectors, held_placement, print_privacy_line, state_note
-from dpfl_lightning.plugins.scaffold import FlatGrads, check_plain_sgd
+from dpfl_lightning.plugins.control_variate_state import (ClientVectors, FlatGrads, held_placement, print_privacy_line,
+                                                          state_note)
+from dpfl_lightning.plugins.setup_checks import check_plain_sgd, check_raw_model_difference, check_uniform_weighting
 from dpfl_lightning.releases import MetricRelease
 
 
@@ -54,13 +55,6 @@ def geometric_steps(u: float, p: float) -> int:
     if p >= 1.0:
         return 1
     return 1 + int(math.floor(math.log1p(-u) / math.log1p(-p)))
-
-
-def check_uniform_weighting(owner: str, why: str, ctx) -> None:
-    """Refuse ``trainer.weighting="samples"`` at set-up."""
-    if ctx.weighting != "uniform":
-        raise ConfigError("trainer.weighting", "samples", f"{owner}: {why} (every client weighted equally)",
-                          "use weighting='uniform'")
 
 
 class ScaffNew(FederatedCallback):
@@ -99,8 +93,7 @@ class ScaffNew(FederatedCallback):
 
     def setup(self, *, ctx) -> None:
         check_uniform_weighting("ScaffNew", "the h_i sum to zero only if the server takes the plain mean of D_i", ctx)
-        require(not ctx.normalize_update_by_lr, "trainer.normalize_update_by_lr", True,
-                "ScaffNew's h_i update (p / gamma)(x - x_hat_i) needs the raw model difference", "leave it False")
+        check_raw_model_difference("ScaffNew", "h_i update (p / gamma)(x - x_hat_i)", ctx)
         require(ctx.sampler.kind == "full", "trainer.sampling", ctx.sampler.kind,
                 "ScaffNew (paper 000 Alg. 2) runs every client in every round", "leave clients_per_round unset")
         self.num_clients = ctx.data.num_clients

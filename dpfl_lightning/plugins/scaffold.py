@@ -69,43 +69,13 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
-from dpfl_lightning.plugins.control_variate_state import (ClientVectors, client_level_placements, held_placement,
+from dpfl_lightning.plugins.control_variate_state import (ClientVectors, FlatGrads, client_level_placements, held_placement,
                                                           print_privacy_line, state_note)
 from dpfl_lightning.plugins.scaffold_commit import SCAFFOLDCommit
+from dpfl_lightning.plugins.setup_checks import check_plain_sgd, check_raw_model_difference
 from dpfl_lightning.releases import MetricRelease
 
-WARM_COHORTS = rng.purpose("SCAFFOLD.warm_cohorts")  # the warm start's permutation of the population
-
-
-def check_plain_sgd(owner: str, optimizer: torch.optim.Optimizer) -> None:
-    inner = getattr(optimizer, "original_optimizer", optimizer)
-    ok = type(inner) is torch.optim.SGD and all(g.get("momentum", 0) == 0 and g.get("weight_decay", 0) == 0
-                                                  for g in inner.param_groups)
-    if not ok:
-        raise ConfigError(owner, type(inner).__name__, "the control-variate update assumes plain SGD local steps "
-                          "(no momentum, no weight decay)", "return torch.optim.SGD(params, lr=...) from "
-                          "configure_optimizers")
-    lrs = sorted({float(g["lr"]) for g in inner.param_groups})
-    if len(lrs) > 1:
-        raise ConfigError(owner, f"param group lrs {lrs}", "the control-variate update divides the whole update by "
-                          "one step size", "give every parameter group the same learning rate")
-
-
-class FlatGrads:
-    """Adds a flat vector to the gradients of the parameters laid out over the module's buffer."""
-
-    def __init__(self, parameters: list[torch.nn.Parameter], slices: list[tuple[int, int]]) -> None:
-        self.pairs = list(zip(parameters, slices))
-
-    def add_(self, vector: torch.Tensor) -> None:
-        for p, (o, n) in self.pairs:
-            if p.grad is not None:
-                p.grad.add_(vector[o : o + n].view_as(p.grad))
-
-    def accumulate_into(self, out: torch.Tensor) -> None:
-        for p, (o, n) in self.pairs:
-            if p.grad is not None:
-                out[o : o + n].add_(p.grad.reshape(-1))
+WARM_COHORTS = rng.register_purpose("SCAFFOLD.warm_cohorts")  # the warm start's permutation of the population
 
 
 class SCAFFOLD(FederatedCallback):
@@ -172,8 +142,7 @@ class SCAFFOLD(FederatedCallback):
         return model
 
     def setup(self, *, ctx) -> None:
-        require(not ctx.normalize_update_by_lr, "trainer.normalize_update_by_lr", True,
-                "SCAFFOLD's c_i update (x - y_i) / (K eta_l) needs the raw model difference", "leave it False")
+        check_raw_model_difference("SCAFFOLD", "c_i update (x - y_i) / (K eta_l)", ctx)
         self.num_clients = ctx.data.num_clients
         self._cohort = int(ctx.sampler.expected_cohort)
         warm, times = self._warm_rounds(ctx)

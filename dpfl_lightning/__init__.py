@@ -7,10 +7,8 @@ them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError
+from dpfl_lightning.lazy import exports
 
 __version__ = "0.1.0"
 
@@ -23,12 +21,4 @@ _LAZY = {
 __all__ = ["ConfigError", "FederatedDataModule", "FederatedLightningModule", "FederatedTrainer",
            "NonFiniteUpdateError", "__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'dpfl_lightning' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports("dpfl_lightning", _LAZY, globals())

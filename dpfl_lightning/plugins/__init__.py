@@ -4,8 +4,7 @@ DP-SGD run sets up)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpfl_lightning.lazy import exports
 
 _LAZY = {
     "AdaptiveClip": "dpfl_lightning.plugins.adaptive_clipping",
@@ -30,12 +29,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'dpfl_lightning.plugins' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports("dpfl_lightning.plugins", _LAZY, globals())

@@ -31,6 +31,7 @@ import hashlib
 import math
 import secrets
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,46 +46,92 @@ DATA = 6  # a client's shuffling of its records (not a privacy mechanism)
 RECORD_SAMPLING = 7  # DP-SGD's batches (part of the accounted mechanism)
 RECORD_NOISE = 8  # DP-SGD's noise
 COIN = 9  # shared coins that change the round plan (ScaffNew)
-PLUGIN = 100  # plugin purposes are numbered from here: see PLUGIN_PURPOSES and purpose()
+PLUGIN = 100  # plugin purposes are numbered from here: see PLUGIN_PURPOSES and register_purpose()
 
 SERVER_CLIENT = -1  # the "client" of draws that belong to the server
 
 # Purposes whose draws a DP guarantee relies on: secure mode draws them from the CSPRNG. So does
-# every plugin purpose (>= PLUGIN): a plugin's stream is presumed to be part of a mechanism.
+# every plugin purpose (>= PLUGIN) not registered with private=False: a plugin's stream is presumed
+# to be part of a mechanism.
 PRIVATE_PURPOSES = frozenset({SAMPLING, CLIENT_NOISE, CENTRAL_NOISE, RECORD_SAMPLING, RECORD_NOISE, COIN})
 
 
-#: every built-in plugin's streams by name. The numbers are part of the keys of their draws: changing
-#: one changes every run that uses it. A plugin asks for its number with :func:`purpose`.
-PLUGIN_PURPOSES: dict[str, int] = {
-    "FedEXP.xi_noise": PLUGIN + 20,  # CDP-FedEXP's noise on the sum of squared norms
-    "PrivUnitRandomizer.privunit": PLUGIN + 30,  # PrivUnit's and ScalarDP's local randomness
-    "AdaptiveClip.count_noise": PLUGIN + 40,  # the noise on the count of unclipped clients
-    "SCAFFOLD.warm_cohorts": PLUGIN + 50,  # the warm start's permutation of the population
-    "CanaryClients.canary": PLUGIN + 70,  # the audit's canary slots, coins and directions
-}
-_DERIVED_BASE = PLUGIN + 1000  # numbers of purposes that no built-in plugin lists
+@dataclass(frozen=True)
+class Purpose:
+    """A plugin's named stream: ``number`` is part of the keys of its draws; ``private``: secure mode
+    draws it from the CSPRNG (a stream a DP guarantee relies on)."""
+
+    name: str
+    number: int
+    private: bool
 
 
-def purpose(name: str) -> int:
-    """The stream purpose of ``name`` (``"<Plugin>.<use>"``): a built-in one's listed number, else a
-    number derived from the name alone (so it does not depend on which plugins were imported first),
-    registered so that no two names share one. Every plugin purpose is private (see :func:`is_private`)."""
-    if name in PLUGIN_PURPOSES:
-        return PLUGIN_PURPOSES[name]
-    number = _DERIVED_BASE + int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
-    # (a secure stream also keys torch's generator with purpose + 10_000: those numbers are taken too)
-    taken = {n + shift: k for k, n in PLUGIN_PURPOSES.items() for shift in (-10_000, 0, 10_000)}
-    if number in taken:
-        raise ValueError(f"rng.purpose: {name!r} and {taken[number]!r} derive the same stream purpose {number}; "
-                         "rename one of them")
-    PLUGIN_PURPOSES[name] = number
+#: every plugin stream purpose by name, built-in or registered by a plugin with :func:`register_purpose`.
+PLUGIN_PURPOSES: dict[str, Purpose] = {}
+_BY_NUMBER: dict[int, Purpose] = {}
+_SECURE_SHIFT = 10_000  # a secure stream also keys torch's generator with purpose + 10_000
+_DERIVED_BASE = PLUGIN + 1000  # numbers of purposes registered without one are derived from the name
+
+
+def _derived_number(name: str) -> int:
+    """A number from the name alone, so it does not depend on which plugins were imported first."""
+    return _DERIVED_BASE + int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
+
+
+def _holder(number: int) -> str | None:
+    """The name of a purpose whose keys ``number`` would repeat (itself, or shifted by a secure stream)."""
+    for shift in (-_SECURE_SHIFT, 0, _SECURE_SHIFT):
+        if number + shift in _BY_NUMBER:
+            return _BY_NUMBER[number + shift].name
+        if number + shift in _CORE_PURPOSES:
+            return f"rng.{_CORE_PURPOSES[number + shift]}"
+    return None
+
+
+def register_purpose(name: str, private: bool = True, number: int | None = None) -> int:
+    """The stream purpose of ``name`` (``"<Plugin>.<use>"``), registered on first use.
+
+    Registering the same name again returns the same number. Without ``number``, the number is
+    derived from the name; a name whose number (or a secure stream's shifted number) another purpose
+    holds is refused. ``private=False`` only for a stream no DP guarantee relies on."""
+    known = PLUGIN_PURPOSES.get(name)
+    if known is not None:
+        if private != known.private or number not in (None, known.number):
+            raise ValueError(f"rng.register_purpose: {name!r} is registered as number {known.number}, "
+                             f"private={known.private}; register it with the same settings or rename it")
+        return known.number
+    number = _derived_number(name) if number is None else number
+    if number < PLUGIN:
+        raise ValueError(f"rng.register_purpose: {name!r} asks for number {number}, below rng.PLUGIN={PLUGIN} "
+                         "(the core's purposes); leave the number out or use rng.PLUGIN + k")
+    holder = _holder(number)
+    if holder is not None:
+        raise ValueError(f"rng.register_purpose: {name!r} and {holder!r} would share the stream purpose "
+                         f"{number}; rename one of them")
+    PLUGIN_PURPOSES[name] = _BY_NUMBER[number] = Purpose(name, number, private)
     return number
 
 
+_CORE_PURPOSES = {number: name for name, number in (
+    ("SAMPLING", SAMPLING), ("CLIENT_TRAIN", CLIENT_TRAIN), ("CLIENT_NOISE", CLIENT_NOISE),
+    ("CENTRAL_NOISE", CENTRAL_NOISE), ("SERVER", SERVER), ("DATA", DATA), ("RECORD_SAMPLING", RECORD_SAMPLING),
+    ("RECORD_NOISE", RECORD_NOISE), ("COIN", COIN))}
+# The built-in plugins' purposes, with the numbers their draws have always been keyed by.
+register_purpose("FedEXP.xi_noise", number=PLUGIN + 20)  # CDP-FedEXP's noise on the sum of squared norms
+register_purpose("PrivUnitRandomizer.privunit", number=PLUGIN + 30)  # PrivUnit's and ScalarDP's randomness
+register_purpose("AdaptiveClip.count_noise", number=PLUGIN + 40)  # the noise on the count of unclipped clients
+register_purpose("SCAFFOLD.warm_cohorts", number=PLUGIN + 50)  # the warm start's permutation of the population
+register_purpose("CanaryClients.canary", number=PLUGIN + 70)  # the audit's canary slots, coins and directions
+
+
 def is_private(purpose: int) -> bool:
-    """Whether secure mode draws ``purpose``'s stream from the CSPRNG."""
-    return purpose in PRIVATE_PURPOSES or purpose >= PLUGIN
+    """Whether secure mode draws ``purpose``'s stream from the CSPRNG: a core purpose a DP guarantee
+    relies on, or a plugin purpose (>= PLUGIN) unless it was registered with ``private=False``."""
+    if purpose < PLUGIN:
+        return purpose in PRIVATE_PURPOSES
+    registered = _BY_NUMBER.get(purpose)
+    return registered is None or registered.private
+
 
 NOISE_BLOCK = 1 << 22  # normals drawn per block when noise is added in place
 _MT_WORDS = 624
@@ -367,7 +414,7 @@ class RandomSource:
         """The stream of ``(round, client, purpose)`` (and ``tag``, see :func:`derive_key`)."""
         key = self.key(round_idx, client, purpose, tag)
         if self.secure and is_private(purpose):
-            return SecureStream(key, derive_key(self.seed, round_idx, client, purpose + 10_000, self._secret, tag))
+            return SecureStream(key, derive_key(self.seed, round_idx, client, purpose + _SECURE_SHIFT, self._secret, tag))
         if purpose == DATA:  # a client's shuffles: small, many, on the CPU
             return HashStream(key)
         return TorchStream(key, device)

@@ -164,19 +164,31 @@ def test_first_words_of_many_streams_are_each_streams_own_words(n):
         assert together.dtype == alone.dtype and np.array_equal(together, alone)
 
 
-def test_plugin_purposes_are_registered_by_name_and_never_shared(monkeypatch):
+def test_plugin_purposes_are_registered_by_name_and_never_shared():
     from dpfl_lightning.plugins import adaptive_clipping, canary, fedexp, privunit_randomizer, scaffold
 
-    used = {fedexp.XI_NOISE, adaptive_clipping.COUNT_NOISE, canary.CANARY, privunit_randomizer.PRIVUNIT,
-            scaffold.WARM_COHORTS}
-    assert used <= set(rng.PLUGIN_PURPOSES.values())  # every built-in plugin's stream is listed in one place
-    assert len(set(rng.PLUGIN_PURPOSES.values())) == len(rng.PLUGIN_PURPOSES)
-    assert all(rng.is_private(n) for n in rng.PLUGIN_PURPOSES.values())  # secure mode draws them from the CSPRNG
-    mine = rng.purpose("MyPlugin.noise")
-    assert mine == rng.purpose("MyPlugin.noise") and mine not in used and rng.is_private(mine)
-    assert rng.purpose("MyPlugin.other") != mine
-    # a name whose number another name holds (or holds shifted by the secure stream's 10_000) is refused
-    monkeypatch.setitem(rng.PLUGIN_PURPOSES, "Squatter.noise", mine - 10_000)
-    monkeypatch.delitem(rng.PLUGIN_PURPOSES, "MyPlugin.noise")
-    with pytest.raises(ValueError, match="'MyPlugin.noise' and 'Squatter.noise' derive the same stream purpose"):
-        rng.purpose("MyPlugin.noise")
+    # every built-in plugin's stream is listed in one place, with the number its keys always had
+    built_in = {"FedEXP.xi_noise": 120, "PrivUnitRandomizer.privunit": 130, "AdaptiveClip.count_noise": 140,
+                "SCAFFOLD.warm_cohorts": 150, "CanaryClients.canary": 170}
+    assert {name: rng.PLUGIN_PURPOSES[name].number for name in built_in} == built_in
+    assert (fedexp.XI_NOISE, privunit_randomizer.PRIVUNIT, adaptive_clipping.COUNT_NOISE, scaffold.WARM_COHORTS,
+            canary.CANARY) == (120, 130, 140, 150, 170)
+    # today's rule: the core's noise, cohorts, DP-SGD batches and coins and every plugin stream are private
+    assert [n for n in range(1, 200) if rng.is_private(n)] == [1, 3, 4, 7, 8, 9, *range(100, 200)]
+    mine = rng.register_purpose("TestRng.noise")
+    assert mine == rng.register_purpose("TestRng.noise") and mine >= rng.PLUGIN and rng.is_private(mine)
+    assert rng.PLUGIN_PURPOSES["TestRng.noise"].number == mine
+    public = rng.register_purpose("TestRng.shuffle", private=False)
+    assert public not in (mine, 120, 130, 140, 150, 170) and not rng.is_private(public)
+    with pytest.raises(ValueError, match="'TestRng.noise' is registered as number .* private=True"):
+        rng.register_purpose("TestRng.noise", private=False)
+    with pytest.raises(ValueError, match="'Late.noise' and 'FedEXP.xi_noise' would share the stream purpose 120"):
+        rng.register_purpose("Late.noise", number=120)
+    # a secure stream keys torch's generator with purpose + 10_000: those numbers are taken too
+    with pytest.raises(ValueError, match="'Late.noise' and 'TestRng.noise' would share the stream purpose"):
+        rng.register_purpose("Late.noise", number=mine + 10_000)
+    with pytest.raises(ValueError, match="'Late.noise' and 'rng.CLIENT_NOISE' would share"):
+        rng.register_purpose("Late.noise", number=10_003)
+    with pytest.raises(ValueError, match="below rng.PLUGIN=100"):
+        rng.register_purpose("Late.noise", number=9)
+    assert "Late.noise" not in rng.PLUGIN_PURPOSES

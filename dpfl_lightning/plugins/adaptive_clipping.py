@@ -32,7 +32,7 @@ from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.releases import MetricRelease
 
-COUNT_NOISE = rng.purpose("AdaptiveClip.count_noise")
+COUNT_NOISE = rng.register_purpose("AdaptiveClip.count_noise")
 MAX_LEARNING_RATE = 10.0
 
 

@@ -49,7 +49,7 @@ from dpfl_lightning.privacy.audit import Estimate, LowerBound, gaussian_fit_esti
 from dpfl_lightning.privacy.guarantees import guarantees
 from dpfl_lightning.releases import MetricRelease
 
-CANARY = rng.purpose("CanaryClients.canary")
+CANARY = rng.register_purpose("CanaryClients.canary")
 INSERTIONS = ("random", "all", "none")
 THREAT_MODELS = {"final": "only the final model is seen", "rounds": "every round's model is seen"}
 _CACHE_VALUES = 1 << 24  # directions kept in memory up to this many values (64 MiB); else redrawn each round

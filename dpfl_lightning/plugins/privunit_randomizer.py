@@ -25,7 +25,7 @@ from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.privacy import privunit
 from dpfl_lightning.privacy.mechanisms import Mechanism
 
-PRIVUNIT = rng.purpose("PrivUnitRandomizer.privunit")
+PRIVUNIT = rng.register_purpose("PrivUnitRandomizer.privunit")
 
 
 class PrivUnitRandomizer(FederatedCallback):

@@ -1,5 +1,7 @@
 """Partitioners and the built-in data sources."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -153,3 +155,28 @@ def test_client_batches_keep_the_layout_of_the_stored_tensors():
     for _, _, (xb, yb) in data.client_batches(1, 5, epochs=1, stream=stream):
         assert xb.stride() == stored.stride()  # channels_last: (48, 1, 12, 3)
         assert yb.is_contiguous()
+
+
+def test_nan_records_are_reported_at_set_up_without_naming_them():
+    x = torch.randn(40, 6)
+    x[8, 2] = float("nan")
+    x[13, 0] = float("inf")
+    data = FederatedDataModule.from_tensors(x, torch.arange(40) % 3, num_clients=4, partition="iid")
+    with pytest.warns(UserWarning, match=r"2 training record\(s\) hold NaN or inf values") as caught:
+        data.setup()
+    message = str(caught[0].message)
+    assert "client" not in message.split("hold")[0] and "row" not in message  # how many, not which
+    clean = FederatedDataModule.from_tensors(torch.randn(40, 6), torch.arange(40) % 3, num_clients=4, partition="iid")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clean.setup()
+
+
+def test_npz_client_ids_with_gaps_are_renumbered_and_said(tmp_path):
+    path = tmp_path / "gaps.npz"
+    ids = np.array([0, 3, 7] * 10)  # ids 1, 2, 4, 5, 6 hold no row
+    np.savez(path, x_train=np.random.default_rng(0).normal(size=(30, 4)), y_train=np.arange(30) % 2, client_train=ids)
+    data = NpzFile(str(path), num_clients=3)
+    with pytest.warns(UserWarning, match=r"3 distinct ids, not 0..2: the run's client i is the i-th smallest id \(0 .. 7"):
+        data.setup()
+    assert data.num_clients == 3 and all(data.client_num_samples(c) == 10 for c in range(3))

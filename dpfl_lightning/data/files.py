@@ -11,6 +11,7 @@ numeric arrays. Every such problem is one :class:`~dpfl_lightning.errors.ConfigE
 from __future__ import annotations
 
 import os
+import warnings
 import zipfile
 import zlib
 
@@ -130,5 +131,10 @@ class NpzFile(FederatedDataModule):
             if ids.ndim != 1 or len(ids) != len(x) or not np.issubdtype(ids.dtype, np.integer):
                 raise self._error(f"client_train has dtype {ids.dtype} and shape {list(ids.shape)}, expected "
                                   f"{len(x)} integer client ids", "save one integer client id per row of x_train")
-            clients = [torch.from_numpy(np.flatnonzero(ids == c)) for c in np.unique(ids)]
+            found = np.unique(ids)
+            if not np.array_equal(found, np.arange(len(found))):  # ids with no rows: say how clients are numbered
+                warnings.warn(f"data.path={self.path}: client_train holds {len(found)} distinct ids, not 0..{len(found) - 1}: "
+                              f"the run's client i is the i-th smallest id ({found[0]} .. {found[-1]}; ids without a "
+                              "row have no client)", UserWarning, stacklevel=2)
+            clients = [torch.from_numpy(np.flatnonzero(ids == c)) for c in found]
         return train, test, clients

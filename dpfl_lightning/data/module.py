@@ -14,6 +14,7 @@ Shuffling uses the generator the trainer passes in, keyed by (seed, round, clien
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
@@ -261,7 +262,23 @@ class FederatedDataModule:
         val_loader = self._loaders.get("val")
         self._val_ds = val_loader.dataset if val_loader is not None else None
         self._val_tensors = tuple(val_loader.dataset.tensors) if val_loader is not None and _plain_loader(val_loader) else None
+        self._check_finite()
         self._ready = True
+
+    def _check_finite(self) -> None:
+        """Say at set-up, not when their client is first sampled, that records held in memory hold NaN or
+        inf: those clients' updates will not be finite (``trainer.on_nonfinite`` then stops the run or
+        skips them). Says how many records, not which records or clients."""
+        for split, tensors in (("training", self._train_tensors), ("test", self._test_tensors),
+                               ("validation", self._val_tensors)):
+            bad = sum(int((~torch.isfinite(t)).reshape(len(t), -1).any(1).sum()) for t in tensors or ()
+                      if t.is_floating_point() and t.dim() and not bool(torch.isfinite(t).all()))
+            if bad:
+                setting, value = self._source_setting()
+                warnings.warn(f"{setting}={value}: {bad} {split} record(s) hold NaN or inf values; the clients that "
+                              "train on them send non-finite updates (trainer.on_nonfinite='raise' stops the run when "
+                              "one is first sampled, 'skip' leaves them out). Fix: clean the data before training",
+                              UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ label range
     _label_limits: tuple[tuple[int, str], ...] = ()

@@ -27,13 +27,14 @@ from typing import Any
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.payload import Segment
-from dpfl_lightning.plugins.gaussian_noise import NOISE_TAIL
+from dpfl_lightning.plugins.gaussian_noise import client_noise_std, noised_value_bound
 from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.releases import MetricRelease
 
 COUNT_NOISE = rng.register_purpose("AdaptiveClip.count_noise")
 MAX_LEARNING_RATE = 10.0
+COUNT_SENSITIVITY = 0.5  # the centred count moves by at most 1/2 when a client is added or removed
 
 
 def update_noise_multiplier(total: float, count_noise: float) -> float:
@@ -102,8 +103,7 @@ class AdaptiveClip(SensitivityBound):
         return [*super().payload_segments(ctx=ctx), Segment("clip_bit", 1, "data", "AdaptiveClip")]
 
     def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
-        # the centred count moves by at most 1/2 when a client is added or removed
-        return [Mechanism.gaussian("AdaptiveClip", self.sigma_b, 0.5, self.placement, ("clip_bit",))]
+        return [Mechanism.gaussian("AdaptiveClip", self.sigma_b, COUNT_SENSITIVITY, self.placement, ("clip_bit",))]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [*super().released_metrics(ctx=ctx),
@@ -111,8 +111,7 @@ class AdaptiveClip(SensitivityBound):
 
     def value_bound(self, *, segment: str, bound: float | None) -> float | None:
         if segment == "clip_bit":
-            share = self.sigma_b / math.sqrt(self._cohort) if self.placement == "distributed" else 0.0
-            return 0.5 + NOISE_TAIL * share
+            return noised_value_bound(COUNT_SENSITIVITY, client_noise_std(self.sigma_b, self.placement, self._cohort))
         return super().value_bound(segment=segment, bound=bound)
 
     def before_round(self, *, plan, server) -> None:
@@ -122,10 +121,10 @@ class AdaptiveClip(SensitivityBound):
     def on_client_end(self, *, client) -> None:
         norm = self.bound_payload(client)
         bit = client.payload["clip_bit"]
-        bit.fill_((1.0 if norm <= self._round_bound else 0.0) - 0.5)
+        bit.fill_((0.0 if self.above_bound(norm) else 1.0) - 0.5)
         if self.placement == "distributed":
             stream = client.random.stream(client.round_idx, client.client, COUNT_NOISE)
-            stream.add_normal_(bit, self.sigma_b / math.sqrt(self._cohort))
+            stream.add_normal_(bit, client_noise_std(self.sigma_b, self.placement, self._cohort))
 
     def on_aggregate(self, *, server) -> None:
         if self.placement == "central":

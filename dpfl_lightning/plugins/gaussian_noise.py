@@ -50,6 +50,21 @@ from dpfl_lightning.releases import MetricRelease
 NOISE_TAIL = 50.0
 
 
+def client_noise_std(std: float, placement: str, cohort: int) -> float:
+    """The std each client adds for a mechanism of total std ``std``: all of it (``local``), a share
+    ``std / sqrt(n)`` of the round's ``n`` clients (``distributed``: the shares sum to ``std``), none
+    (``central``: the server adds it to the sum)."""
+    if placement == "central":
+        return 0.0
+    return std if placement == "local" else std / math.sqrt(cohort)
+
+
+def noised_value_bound(bound: float, client_std: float) -> float:
+    """A bound on any value of a segment bounded by ``bound`` after a client adds noise of std
+    ``client_std`` (up to :data:`NOISE_TAIL` standard deviations)."""
+    return bound + NOISE_TAIL * client_std
+
+
 #: a noise multiplier this large drowns every update (a warning at the start of training)
 USELESS_MULTIPLIER = 100.0
 
@@ -210,8 +225,7 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
     def value_bound(self, *, segment: str, bound: float | None) -> float | None:
         if self.placement == "central" or segment not in self.segments or bound is None:
             return bound
-        std = self._round_sigma if self.placement == "local" else self._round_sigma / math.sqrt(self._cohort_size)
-        return bound + NOISE_TAIL * std
+        return noised_value_bound(bound, client_noise_std(self._round_sigma, self.placement, self._cohort_size))
 
     def before_round(self, *, plan, server) -> None:
         self._cohort_size = max(len(plan.cohort), 1)
@@ -220,7 +234,7 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
     def on_client_end(self, *, client) -> None:
         if self.placement == "central":
             return
-        std = self._round_sigma if self.placement == "local" else self._round_sigma / math.sqrt(self._cohort_size)
+        std = client_noise_std(self._round_sigma, self.placement, self._cohort_size)
         stream = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE, tag=self._tag)
         for name in self.segments:  # frozen parameters are not part of the update: no noise on them
             frozen.add_noise_(stream, client.payload[name], std, client.plan.trainable if name == UPDATE else None)

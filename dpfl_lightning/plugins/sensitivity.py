@@ -141,8 +141,12 @@ class SensitivityBound(FederatedCallback):
         if self.log_norms:
             client.payload["raw_norm"].fill_(norm)
             client.payload["raw_norm_sq"].fill_(norm * norm)
-            client.payload["bounded"].fill_(float(norm > self.max_norm or not self.only_if_above))
+            client.payload["bounded"].fill_(float(self.above_bound(norm) or not self.only_if_above))
         return norm
+
+    def above_bound(self, norm: float) -> bool:
+        """Whether a client's raw norm (as :meth:`bound_payload` returns it) exceeded the bound in force."""
+        return norm > self.max_norm
 
     def before_round(self, *, plan, server) -> None:
         self._round_bound = self.max_norm  # an adaptive bound may move during the round

@@ -113,3 +113,20 @@ def test_without_frozen_parameters_the_noise_is_unchanged(log_dir):
     _fit(log_dir, model, rounds=1, plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=1.0, placement="local"),
                                             seen, ServerOptimizer("sgd", lr=1.0)])
     assert all(torch.count_nonzero(u) == u.numel() for u in seen.updates)
+
+
+class _FrozenNoEpochHook(FrozenBackbone):
+    """The same model without the epoch hook, which the vectorised executor does not run."""
+
+    on_train_epoch_start = L.LightningModule.on_train_epoch_start
+
+
+def test_vmap_refuses_frozen_parameters_at_set_up(log_dir):
+    # the vectorised step computes and applies every parameter's gradient: a frozen backbone would
+    # train, so the run is refused before the first round (the sequential executor keeps it frozen)
+    from dpfl_lightning import ConfigError
+
+    model = _FrozenNoEpochHook()
+    with pytest.raises(ConfigError, match=r"trainer.executor='vmap': frozen parameters \['backbone.weight', "
+                                          r"'backbone.bias'\] would be trained. Fix: use executor='sequential'"):
+        _fit(log_dir, model, plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.5)], executor="vmap")

@@ -1,10 +1,11 @@
 """What plugins share: the noise a client adds under each placement and the value bound after it
-(GaussianNoise and AdaptiveClip's count)."""
+(GaussianNoise and AdaptiveClip's count); the calibrated multiplier in checkpoints (GaussianNoise and
+DPSGD)."""
 
 import pytest
 
 from dpfl_lightning.plan import RoundPlan
-from dpfl_lightning.plugins import AdaptiveClip, GaussianNoise
+from dpfl_lightning.plugins import DPSGD, AdaptiveClip, GaussianNoise
 
 
 def _value_bound(plugin, segment, bound, cohort=4):
@@ -27,3 +28,18 @@ def test_adaptive_clip_count_bound_covers_its_noise_share(placement, expected):
     clip = AdaptiveClip(count_noise=3.0, placement=placement)
     assert _value_bound(clip, "clip_bit", None) == expected
     assert _value_bound(clip, "update", None) == clip.max_norm  # the update's own bound is the clip norm
+
+
+@pytest.mark.parametrize("make", [lambda **kw: GaussianNoise(delta=1e-5, **kw), lambda **kw: DPSGD(delta=1e-5, **kw)])
+def test_a_calibrated_multiplier_is_the_whole_checkpoint_of_a_noise_plugin(make):
+    # a run calibrated for a target epsilon resumes with the multiplier it ran with, not a recalibrated one
+    calibrated = make(target_epsilon=3.0)
+    calibrated.noise_multiplier = 1.7
+    assert calibrated.state_dict() == {"noise_multiplier": 1.7}
+    resumed = make(target_epsilon=3.0)
+    resumed.load_state_dict({"noise_multiplier": 1.7})
+    assert resumed.noise_multiplier == 1.7
+    fixed = make(noise_multiplier=1.1)  # a multiplier given by the user is not checkpointed
+    assert fixed.state_dict() == {}
+    fixed.load_state_dict({})
+    assert fixed.noise_multiplier == 1.1

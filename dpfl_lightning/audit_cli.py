@@ -25,7 +25,7 @@ from typing import Any
 
 from jsonargparse import ArgumentParser
 
-from dpfl_lightning.cli_config import expect_model_labels
+from dpfl_lightning.cli_config import expect_model_labels, federated_data
 from dpfl_lightning.errors import require
 from dpfl_lightning.plugins.canary import THREAT_MODELS, CanaryClients
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
@@ -46,7 +46,8 @@ def _build(parser: ArgumentParser, cfg: Any, **trainer_settings: Any):
     whole = cfg.clone()
     whole.audit = sub
     init = parser.instantiate_classes(whole).audit
-    trainer, model, data = init.trainer, init.model, init.data
+    trainer, model = init.trainer, init.model
+    data = federated_data(init.data, sub.split)  # a plain LightningDataModule is split as `dpfl fit` splits it
     trainer.config = sub.as_dict()
     for key in ("config", "resume", "canaries", "trials", "confidence"):
         trainer.config.pop(key, None)

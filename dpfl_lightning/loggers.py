@@ -269,10 +269,12 @@ class WandbLogger(_LightningWandbLogger):
                       if d.startswith("offline-run-") and d.endswith("-" + run_id))
 
     def finalize(self, status: str) -> None:
-        """End the W&B run too, so the next ``fit`` in this process starts its own run; for an
-        offline run, say how to upload it."""
+        """End the W&B run too, so the next ``fit`` in this process starts its own run (a preempted one
+        marked as such: ``--resume`` continues it); for an offline run, say how to upload it."""
         super().finalize(status)
         if self._experiment is not None:
+            if status == "preempted" and hasattr(self._experiment, "mark_preempting"):
+                self._experiment.mark_preempting()  # W&B shows the run as preempted (to be resumed), not failed
             self._experiment.finish(exit_code=0 if status == "success" else 1)
             self._experiment = None
             if self.mode == "offline":

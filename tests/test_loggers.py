@@ -376,3 +376,22 @@ def test_model_help_by_short_name(capsys, monkeypatch):
     assert "--model.in_features" in text and "--model.num_classes" in text
     text = _help(capsys, monkeypatch, "fit", "--data.help", "NpzFile")
     assert "--data.num_classes" in text and "``" not in text
+
+
+def test_a_preempted_run_is_marked_preempting_in_wandb(monkeypatch):
+    calls = []
+
+    class Run:  # what the W&B run records of the end of a fit
+        def mark_preempting(self):
+            calls.append("mark_preempting")
+
+        def finish(self, exit_code=0):
+            calls.append(("finish", exit_code))
+
+    for status, expected in (("preempted", ["mark_preempting", ("finish", 1)]), ("success", [("finish", 0)]),
+                             ("failed", [("finish", 1)])):
+        calls.clear()
+        wb = WandbLogger(mode="disabled")
+        monkeypatch.setattr(wb, "_experiment", Run())
+        wb.finalize(status)
+        assert calls == expected, status

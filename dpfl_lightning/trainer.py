@@ -183,6 +183,12 @@ class FederatedTrainer:
             return getattr(settings, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "executor" and name in TrainerSettings.names():  # (trainer.executor is the executor object)
+            raise AttributeError(f"trainer.{name}: the settings are frozen once the trainer is built; "
+                                 f"build a new FederatedTrainer({name}=...)")
+        super().__setattr__(name, value)
+
     # ------------------------------------------------------------------ public helpers
     def owner(self, client: int) -> int:
         """The rank that keeps ``client``'s per-client state (see :mod:`dpfl_lightning.placement`)."""

@@ -1,5 +1,6 @@
 """Bad input: one clear line naming the setting and the fix, a non-zero exit, nothing half-written."""
 
+import dataclasses
 import glob
 import os
 import re
@@ -205,3 +206,13 @@ class _NoneLoss(TinyClassifier):
 def test_a_training_step_without_a_loss_tensor_is_refused_with_the_fix(log_dir, model, says, executor):
     with pytest.raises(ConfigError, match=f"training_step=.*{says}.*Fix: return the loss tensor"):
         quiet_trainer(log_dir, rounds=1, clients_per_round=2, executor=executor).fit(model(), tiny_data())
+
+
+def test_trainer_settings_are_frozen_and_read_through_the_trainer(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2)
+    assert trainer.rounds == 3 and trainer.settings.rounds == 3 and trainer.sampling == "uniform"
+    with pytest.raises(AttributeError, match=r"trainer.rounds: the settings are frozen .* FederatedTrainer\(rounds=...\)"):
+        trainer.rounds = 10
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        trainer.settings.rounds = 10
+    assert trainer.rounds == 3

@@ -14,7 +14,8 @@ A module runs unchanged, or is refused at set-up with one line naming the settin
   demo's hidden state, outputs collected for an epoch-end metric) never passes from one client to
   the next. A client's ``on_train_epoch_end`` therefore runs when its local training ends, before the
   round's evaluation of the aggregated model (lightning.Trainer validates before
-  ``on_train_epoch_end``; the one difference in the order of hooks).
+  ``on_train_epoch_end``; the one difference in the order of hooks, which a run with a
+  ``validation_step`` says once, as a warning, at set-up).
   ``self.trainer.num_training_batches`` is the client's batches this round.
 - ``S``, a client's optimizer steps per round: ``ceil(batches per local epoch / accumulate_grad_batches)``
   per local epoch (Lightning also steps on the last batch of an epoch), i.e. its batches per round
@@ -230,6 +231,9 @@ _DIFFERS = {
                "such clients start where the schedule places them",
     "structure": "configure_optimizers returned other optimizers or param groups than the state carried from the "
                  "previous round, so the fresh optimizers keep configure_optimizers' settings",
+    "epoch_end": "the module's on_train_epoch_end runs when each client's local training of the round ends, before "
+                 "the round's validation of the aggregated model (lightning.Trainer validates first), so validation "
+                 "metrics it reads (self.trainer.callback_metrics) are the previous round's",
 }
 
 
@@ -311,6 +315,8 @@ class LightningRun:
         shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client
         shim.estimated_stepping_batches = settings.rounds * module.loop.steps_reference
         module.check_optimizers()  # (and the plugins' rules on the optimizers, e.g. DPSGD's)
+        if is_overridden(module.inner, "on_train_epoch_end") and module.has_validation_step and self.is_global_zero:
+            self._say("epoch_end")
         self._check_data()
 
     def _check_data(self) -> None:

@@ -1351,3 +1351,17 @@ def test_step_hooks_registered_in_training_step_run_as_under_lightning(log_dir, 
     expected = [type(make([torch.nn.Parameter(torch.zeros(1))])).__name__ if c == "Adam" else c for c in expected]
     assert got["lightning"] == expected
     assert got["dpfl"] == got["lightning"]
+
+
+def test_on_train_epoch_end_before_the_round_s_validation_is_said_at_set_up(log_dir):
+    class EpochEnd(TinyClassifier):
+        def on_train_epoch_end(self):
+            self.seen = dict(self.trainer.callback_metrics)
+
+    with pytest.warns(RuntimeWarning, match="on_train_epoch_end runs when each client's local training of the round "
+                                            "ends, before the round's validation"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(EpochEnd(), tiny_data(num_clients=4))
+    with warnings.catch_warnings(record=True) as caught:  # a module without the hook hears nothing of it
+        warnings.simplefilter("always")
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2).fit(TinyClassifier(), tiny_data(num_clients=4))
+    assert not any("on_train_epoch_end" in str(w.message) for w in caught)

@@ -66,3 +66,15 @@ def test_a_plugin_that_breaks_the_zero_update_is_named_without_the_client_in_a_d
         quiet_trainer(log_dir, rounds=1, plugins=plugins).fit(TinyClassifier(), data)
     who = "a client" if private else f"client {bad[0]}"
     assert str(caught.value).startswith(f"round 1: the plugins turned {who}'s zero update into a non-finite one")
+
+
+def test_the_finite_check_is_exact_also_when_a_finite_update_s_sum_overflows():
+    from dpfl_lightning.run.client_phase import all_finite
+
+    assert all_finite(torch.randn(1000))
+    assert all_finite(torch.tensor([3e38, 3e38, -1.0]))  # the float32 sum overflows; every entry is finite
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(1000)
+        x[417] = bad
+        assert not all_finite(x)
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # sum NaN

@@ -307,6 +307,7 @@ def test_accountants_come_from_one_registry():
     from dpfl_lightning.privacy import ACCOUNTANTS, GaussianRelease, create_accountant, epsilon
 
     assert sorted(ACCOUNTANTS) == ["pld", "prv", "rdp"]
+    assert [create_accountant(name).name for name in ACCOUNTANTS] == list(ACCOUNTANTS)  # every name builds
     with pytest.raises(ConfigError, match=r"PrivacyLedger.accountant='moments': unknown accountant. Fix: use one of rdp, pld, prv"):
         create_accountant("moments", "PrivacyLedger.accountant")
     poisson = GaussianRelease(1.1, "poisson", 0.01)

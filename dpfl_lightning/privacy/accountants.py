@@ -262,20 +262,30 @@ def _prv_epsilon(release: Release, steps: int, delta: float) -> float:
         return float(acc.get_epsilon(delta))
 
 
-class RdpAccountant:
+class Accountant:
+    """One way of composing releases into an epsilon, registered in :data:`ACCOUNTANTS` by ``name``."""
+
+    name = ""
+
+    def unsupported(self, release: Release) -> str | None:
+        """Why this accountant cannot account ``release`` (RDP's bound is then given, with this reason),
+        or ``None``."""
+        return None
+
+    def epsilon(self, release: Release, steps: int, delta: float, pld_discretization: float, note: str) -> Epsilon:
+        raise NotImplementedError
+
+
+class RdpAccountant(Accountant):
     """Renyi DP (``dp_accounting.rdp``): every release the package declares."""
 
     name = "rdp"
-
-    def unsupported(self, release: Release) -> str | None:
-        """Why this accountant cannot account ``release`` (it then falls back to RDP), or ``None``."""
-        return None
 
     def epsilon(self, release: Release, steps: int, delta: float, pld_discretization: float, note: str) -> Epsilon:
         return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", note)
 
 
-class PldAccountant(RdpAccountant):
+class PldAccountant(Accountant):
     """Privacy loss distributions (``dp_accounting.pld``, pessimistic)."""
 
     name = "pld"
@@ -289,7 +299,7 @@ class PldAccountant(RdpAccountant):
         return Epsilon(_pld_epsilon(release, steps, delta, pld_discretization), "pld", note)
 
 
-class PrvAccountant(RdpAccountant):
+class PrvAccountant(Accountant):
     """Opacus's privacy random variables: the Poisson-subsampled Gaussian under add/remove."""
 
     name = "prv"
@@ -308,10 +318,10 @@ class PrvAccountant(RdpAccountant):
 
 
 #: every accountant by the name a configuration gives (``accountant: pld``)
-ACCOUNTANTS: dict[str, type[RdpAccountant]] = {a.name: a for a in (RdpAccountant, PldAccountant, PrvAccountant)}
+ACCOUNTANTS: dict[str, type[Accountant]] = {a.name: a for a in (RdpAccountant, PldAccountant, PrvAccountant)}
 
 
-def create_accountant(name: str, setting: str = "privacy.accountant") -> RdpAccountant:
+def create_accountant(name: str, setting: str = "privacy.accountant") -> Accountant:
     """The accountant named ``name``; an unknown name is refused naming ``setting`` and the valid names."""
     require(name in ACCOUNTANTS, setting, name, "unknown accountant", f"use one of {', '.join(ACCOUNTANTS)}")
     return ACCOUNTANTS[name]()
@@ -336,7 +346,7 @@ def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
     return _epsilon(acc, release, steps, delta, pld_discretization, note)
 
 
-def _epsilon(acc: RdpAccountant, release: Release, steps: int, delta: float, pld_discretization: float,
+def _epsilon(acc: Accountant, release: Release, steps: int, delta: float, pld_discretization: float,
              note: str) -> Epsilon:
     """``acc``'s epsilon, or RDP's upper bound (with the reason) for a release it cannot account."""
     unsupported = acc.unsupported(release)

@@ -163,3 +163,22 @@ def test_streamed_sum_is_the_exact_sum_of_values_rounded_to_the_grid(bound, tile
     unit = Fraction(2) ** L
     expect = [sum(round(Fraction(float(rows[k, j])) / unit) for k in range(n)) * unit for j in range(64)]
     assert [Fraction(float(v)) for v in total] == expect
+
+
+def test_an_update_row_is_taken_in_place_copied_or_refused_when_it_holds_another_client():
+    from dpfl_lightning.comm import LocalCommunicator
+
+    agg = PayloadAggregator(PayloadLayout([Segment("update", 3, "model")]), torch.device("cpu"))
+    agg.start(4, {"update": 1.0})
+    block = agg.update_rows(2)  # an executor trains two clients into the next two rows
+    block.copy_(torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]))
+    with pytest.raises(RuntimeError, match="sits in another client's row"):
+        agg.take(block[1])  # the second client's row yielded first
+    agg.take(block[0])  # in place: no copy
+    agg.fold()
+    agg.take(block[1])
+    agg.fold()
+    agg.take(torch.tensor([1.0, 1.0, 1.0]))  # a tensor of the executor's own: copied into the row
+    agg.fold()
+    sums = agg.reduce(LocalCommunicator())
+    assert torch.allclose(sums["update"], torch.tensor([1.5, 1.7, 1.9], dtype=torch.float64), atol=1e-9)

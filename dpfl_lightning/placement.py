@@ -1,4 +1,4 @@
-"""Which rank trains which client of a round.
+"""Which rank trains which client of a round (and how many cores a process may use).
 
 A round lasts as long as its busiest rank. Placing clients by id (``client % ranks``) leaves the
 ranks unevenly loaded: a uniform cohort of 50 of 1000 clients puts 28 on the busier of two ranks on
@@ -18,6 +18,8 @@ its state lives.
 """
 
 from __future__ import annotations
+
+import os
 
 import heapq
 from typing import Sequence
@@ -42,3 +44,11 @@ def balanced(cohort: Sequence[int], work: Sequence[int], ranks: int) -> list[lis
         picked[r].append(i)
         heapq.heappush(load, (w + work[i], r))
     return [[cohort[i] for i in sorted(mine)] for mine in picked]
+
+
+def available_cpus() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

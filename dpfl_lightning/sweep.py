@@ -79,7 +79,7 @@ import yaml
 
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.run_files import final_metric, is_private_run, short_keys
-from dpfl_lightning.run.setup import available_cpus
+from dpfl_lightning.placement import available_cpus
 
 METHODS = ("grid", "random")
 DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "q_uniform", "log_uniform", "log_uniform_values",

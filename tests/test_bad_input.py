@@ -14,7 +14,7 @@ import torch
 
 from dpfl_lightning import ConfigError, FederatedDataModule, NonFiniteUpdateError
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
-from dpfl_lightning.run.setup import available_cpus
+from dpfl_lightning.placement import available_cpus
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

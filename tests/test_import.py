@@ -38,3 +38,7 @@ def test_a_dpsgd_run_loads_opacus_when_it_sets_up(tmp_path):
             f"quiet_trainer({str(tmp_path)!r}, rounds=1, clients_per_round=2, "
             "plugins=[DPSGD(noise_multiplier=1.0)]).fit(TinyClassifier(), tiny_data(num_clients=4))")
     assert "opacus" in _loaded_after(code)
+
+
+def test_the_sweep_launcher_imports_without_torch():
+    assert _loaded_after("import dpfl_lightning.sweep") == []

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dpfl_lightning import frozen, rng
+from dpfl_lightning.placement import available_cpus
 from dpfl_lightning.checkpoint import check_state_keys
 from dpfl_lightning.contexts import ServerContext, SetupContext
 from dpfl_lightning.errors import require
@@ -51,14 +52,6 @@ def _set_rank_zero(rank: int) -> None:
 
     for mod in (fabric_rz, pl_rz, util_rz):
         mod.rank_zero_only.rank = rank
-
-
-def available_cpus() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 @dataclass

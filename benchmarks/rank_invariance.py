@@ -18,7 +18,8 @@ import sys
 import tempfile
 
 
-def worker(placement: str, rounds: int, out: str) -> None:
+def fit(placement: str, rounds: int):
+    """The DP-FedAvg run of this benchmark (every rank of the launch calls it): ``(trainer, module)``."""
     from dpfl_lightning import FederatedTrainer
     from dpfl_lightning.data import SyntheticLogistic
     from dpfl_lightning.models import MLPClassifier
@@ -34,6 +35,11 @@ def worker(placement: str, rounds: int, out: str) -> None:
                                    eval_every=rounds, log_dir=log_dir, enable_progress_bar=False, enable_summary=False)
         module = trainer.fit(MLPClassifier(in_features=60, hidden=[200]),
                              SyntheticLogistic(num_clients=200, samples_per_client=50, test_samples_per_client=5, dim=60))
+    return trainer, module
+
+
+def worker(placement: str, rounds: int, out: str) -> None:
+    trainer, module = fit(placement, rounds)
     if trainer.rank == 0:
         digest = hashlib.sha256(module.global_params.cpu().numpy().tobytes()).hexdigest()
         secs = sum(trainer.round_times) / len(trainer.round_times)  # round_time_s is withheld from a DP run's rows

@@ -147,7 +147,7 @@ class TrainerSettings:
 
     @classmethod
     def names(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls))
+        return SETTING_NAMES
 
     def wants_cuda(self) -> bool:
         """Whether the run trains on CUDA (``accelerator=cuda`` without CUDA is refused)."""
@@ -166,3 +166,6 @@ class TrainerSettings:
         """Whether round ``round_idx`` writes a checkpoint (an early stop keeps its last round)."""
         return bool(self.checkpoint_every) and ((round_idx + 1) % self.checkpoint_every == 0
                                                 or round_idx + 1 == self.rounds or stopping)
+
+
+SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(TrainerSettings))

@@ -93,21 +93,10 @@ def run_config(config: str) -> dict[str, object]:
 
 def run_rank_invariance(placement: str) -> dict[str, object]:
     """benchmarks/rank_invariance.py's DP-FedAvg run (3 rounds) under however many ranks launched this."""
-    import torch
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from rank_invariance import fit
 
-    from dpfl_lightning import FederatedTrainer
-    from dpfl_lightning.data import SyntheticLogistic
-    from dpfl_lightning.models import MLPClassifier
-    from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping
-
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as log_dir:
-        trainer = FederatedTrainer(rounds=ROUNDS, clients_per_round=24, batch_size=10, seed=7, num_threads=1,
-                                   plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement=placement),
-                                            ServerOptimizer("sgd", lr=1.0, momentum=0.5)],
-                                   eval_every=ROUNDS, log_dir=log_dir, enable_progress_bar=False, enable_summary=False)
-        module = trainer.fit(MLPClassifier(in_features=60, hidden=[200]),
-                             SyntheticLogistic(num_clients=200, samples_per_client=50, test_samples_per_client=5, dim=60))
+    trainer, module = fit(placement, ROUNDS)
     return {"sha256": digest(module.global_params), "epsilon": trainer.epsilon()}
 
 

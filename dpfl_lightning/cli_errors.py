@@ -19,27 +19,7 @@ from typing import Any
 
 import yaml
 
-#: lightning.Trainer options a user may try, and what the federated trainer calls them
-LIGHTNING_TRAINER_OPTIONS = {
-    "max_epochs": "a federated run is counted in rounds: set trainer.rounds (and trainer.local_epochs or "
-                  "trainer.local_steps for each client's work in a round)",
-    "min_epochs": "a federated run is counted in rounds: set trainer.rounds",
-    "max_steps": "set trainer.rounds and trainer.local_steps (a client's optimizer steps in a round)",
-    "min_steps": "set trainer.rounds and trainer.local_steps",
-    "devices": "ranks are processes: launch mpiexec -n N python -m mpi4py -m dpfl_lightning fit ... "
-               "(launchers/mpirun.sh); each rank uses one device, chosen by trainer.accelerator",
-    "num_nodes": "ranks are processes: launch mpiexec -n N python -m mpi4py -m dpfl_lightning fit ... on the "
-                 "nodes (launchers/slurm.sbatch)",
-    "strategy": "ranks are MPI processes (mpiexec -n N); trainer.communicator picks mpi, nccl or gloo",
-    "logger": "set trainer.loggers (a list, e.g. dpfl_lightning.loggers.WandbLogger); the CSV log is always written",
-    "default_root_dir": "set trainer.log_dir",
-    "check_val_every_n_epoch": "set trainer.eval_every (in rounds)",
-    "val_check_interval": "set trainer.eval_every (in rounds)",
-    "enable_checkpointing": "set trainer.checkpoint_every (in rounds) or trainer.final_checkpoint",
-    "limit_train_batches": "set trainer.local_steps",
-    "log_every_n_steps": "every round is logged",
-    "fast_dev_run": "set trainer.rounds 1",
-}
+from dpfl_lightning.lightning_options import LIGHTNING_TRAINER_OPTIONS  # one table: the CLI and FederatedTrainer(...)
 
 #: the base classes a setting takes, for "did you mean" among the classes known to this process
 _BASES = {

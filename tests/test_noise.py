@@ -167,3 +167,34 @@ def test_signal_to_noise_is_estimated_from_the_noised_sum():
     zero = GaussianNoise(noise_multiplier=1.0).signal_to_noise(
         Aggregate(0, {"update": sigma * torch.randn(d, generator=g, dtype=torch.float64)}, 10, 10.0), sigma)
     assert zero < 0.15  # pure noise: sqrt(|chi^2 - d| sigma^2) / (sigma sqrt d) ~ (2/d)^(1/4) = 0.056
+
+
+def test_an_unreachable_target_warns_with_the_target_and_the_std_it_calibrated(log_dir):
+    """target_epsilon=1e-6 calibrates a noise std thousands of times the clip norm: the run is legal
+    and private but learns nothing, and says so before training (as an explicit std that large does),
+    naming the target, the calibrated std (the one the run then logs) and what to change."""
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4, sampling="poisson",  # (fast to calibrate)
+                            plugins=[UpdateClipping(0.5), GaussianNoise(target_epsilon=1e-6, delta=1e-3)])
+    with pytest.warns(RuntimeWarning, match=r"target_epsilon=1e-06 \(delta=0\.001\) calibrates the noise std") as got:
+        trainer.fit(TinyClassifier(), tiny_data(num_clients=10))
+    (message,) = [str(w.message) for w in got if "calibrates" in str(w.message)]
+    std = trainer.history[-1]["noise_std"]
+    assert std >= 100 * 0.5  # the threshold: 100x the clip norm
+    assert f"calibrates the noise std to {std:.4g} at clip norm 0.5" in message
+    assert f"the noise std is {std / 0.5:.4g}x the clip norm" in message
+    assert "raise target_epsilon (or delta), sample more clients per round, or train fewer rounds" in message
+
+
+def test_a_reachable_target_does_not_warn(log_dir, recwarn):
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=4, sampling="poisson",
+                            plugins=[UpdateClipping(0.5), GaussianNoise(target_epsilon=8.0, delta=1e-3)])
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=10))
+    assert trainer.history[-1]["noise_std"] < 100 * 0.5
+    assert not [w for w in recwarn if "clip norm" in str(w.message)]
+
+
+def test_an_explicit_std_that_drowns_every_update_warns_without_a_target(log_dir):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2,
+                            plugins=[UpdateClipping(0.5), GaussianNoise(std=100.0)])
+    with pytest.warns(RuntimeWarning, match=r"^GaussianNoise: the noise std is 200x the clip norm.*lower std"):
+        trainer.fit(TinyClassifier(), tiny_data(num_clients=10))

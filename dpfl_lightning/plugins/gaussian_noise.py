@@ -32,7 +32,6 @@ floating-point mitigation of :mod:`dpfl_lightning.rng`.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable
 
 import torch
@@ -64,9 +63,6 @@ def noised_value_bound(bound: float, client_std: float) -> float:
     ``client_std`` (up to :data:`NOISE_TAIL` standard deviations)."""
     return bound + NOISE_TAIL * client_std
 
-
-#: a noise multiplier this large drowns every update (a warning at the start of training)
-USELESS_MULTIPLIER = 100.0
 
 #: noise multipliers outside this range are refused: below it epsilon is astronomically large (no
 #: guarantee worth the name), above it the noise drowns any update and the accountants overflow
@@ -201,10 +197,11 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
 
     def on_fit_start(self, *, ctx) -> None:
         z = self.noise_multiplier if self.std is None else (self.std / self.sensitivity if self._bound else None)
-        if z is not None and z >= USELESS_MULTIPLIER and ctx.is_global_zero:
-            warnings.warn(f"GaussianNoise: the noise std is {z:.4g}x the clip norm, orders of magnitude above any "
-                          "update: the model will learn close to nothing; raise target_epsilon or delta, sample more "
-                          "clients per round, or train fewer rounds", RuntimeWarning, stacklevel=2)
+        if ctx.is_global_zero:  # (calibrated by now: the warning names the target and the std it gave)
+            self.warn_if_useless("GaussianNoise", z, self.sensitivity, "raise target_epsilon (or delta), sample more "
+                                 "clients per round, or train fewer rounds (`dpfl privacy calibrate` shows the "
+                                 "multiplier a plan needs)" if self.target_epsilon is not None else
+                                 "lower std / noise_multiplier, or raise the clip norm")
 
     def _mechanism(self, z: float) -> Mechanism:
         c = self.sensitivity

@@ -1,6 +1,9 @@
 """The aggregation of a round: each client's payload row folded into one per-rank sum as soon as its
 plugins are done, then one all-reduce; the sums by segment name, exact and in any order.
 
+A round with frozen parameters sums the trainable entries of the update only (``restrict``): a
+client's row and the all-reduce carry ``d_t`` update values, not ``d``.
+
 Streaming (memory O(d) per rank, whatever the number of clients per rank): every segment whose
 values have a bound declared before the round (:meth:`FederatedCallback.value_bound`: clipping and
 normalization bound the update by ``C``, noise widens it by a Gaussian tail, a flag is 0 or 1) is
@@ -28,8 +31,8 @@ import torch
 
 from dpfl_lightning.comm import Communicator
 from dpfl_lightning.comm.exact_sum import ExactSum, grid_exponent
-from dpfl_lightning.errors import NonFiniteUpdateError
-from dpfl_lightning.payload import PayloadLayout
+from dpfl_lightning.errors import NonFiniteUpdateError, require
+from dpfl_lightning.payload import UPDATE, PayloadLayout
 
 HEADROOM_BITS = 8
 STAGE_BYTES = 16 << 20  # rows staged before a fold: a few clients at once, at most 16 MiB
@@ -47,9 +50,22 @@ class PayloadAggregator:
     together: the same exact sum, with fewer tensor operations per client for small models."""
 
     def __init__(self, layout: PayloadLayout, device: torch.device, exact: bool = True) -> None:
-        self.layout = layout
+        self.full_layout = layout  # the update at the length of the flat parameters
+        self.layout = layout  # a client's row: the update's trainable entries only (see restrict)
         self.device = device
         self.exact = exact
+        self._trainable: torch.Tensor | None = None  # the round's trainable mask (None: all)
+        self._index: torch.Tensor | None = None  # its entries' positions in the flat parameters
+        self._full: torch.Tensor | None = None  # the update sum at full length, zero at frozen entries
+        self._started: tuple[int, dict[str, float | None]] | None = None
+        self._taken = False
+        self.streamed: list[str] = []
+        self.kept: list[str] = []
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """The staging rows, the rank's sum and the fold's scratch, for :attr:`layout`."""
+        layout, device = self.layout, self.device
         capacity = max(1, min(64, STAGE_BYTES // (4 * layout.size)))
         self._stage = torch.zeros(capacity, layout.size, device=device)
         self._stage_views = [layout.views(r) for r in self._stage]
@@ -59,8 +75,34 @@ class PayloadAggregator:
             max(FOLD_TILE_BYTES // (4 * capacity), FOLD_MIN_COLUMNS)
         self._tmp = torch.zeros(capacity, min(layout.size, width), dtype=self._stage.dtype, device=device)
         self.checked = [s.name for s in layout.segments if s.source != "control"]  # the trainer's own flags are finite
-        self.streamed: list[str] = []
-        self.kept: list[str] = []
+
+    def restrict(self, trainable: torch.Tensor | None) -> None:
+        """The round's trainable parameters (``RoundPlan.trainable``: a bool mask over the flat
+        parameters, ``None`` when all train), before its first client is taken. A client's row then
+        holds the trainable entries of its update only (what is bounded, noised and all-reduced);
+        :meth:`reduce` gives the update sum at full length, zero at the frozen entries. A trainable
+        set that changes between rounds (a layer unfrozen) re-lays the rows out for the round."""
+        if trainable is None and self._trainable is None:
+            return
+        if trainable is not None and self._trainable is not None and torch.equal(trainable, self._trainable):
+            return
+        if self._taken:
+            raise RuntimeError("PayloadAggregator.restrict: a client of this round was already taken")
+        d = self.full_layout.offsets[UPDATE][1] - self.full_layout.offsets[UPDATE][0]
+        if trainable is not None:
+            require(trainable.shape == (d,) and trainable.dtype == torch.bool, "RoundPlan.trainable",
+                    tuple(trainable.shape), f"must be a bool mask over the {d} flat parameters (or None)",
+                    "leave the plan's mask as the trainer set it")
+            count = int(trainable.sum())
+            require(count > 0, "model", "every parameter frozen", "a round needs a trainable parameter to update",
+                    "unfreeze a layer (requires_grad=True) before the round, or stop training")
+        self._trainable = None if trainable is None else trainable.clone()
+        self._index = None if trainable is None else trainable.nonzero().squeeze(1)
+        self.layout = self.full_layout if trainable is None else self.full_layout.resized(UPDATE, count)
+        self._full = None if trainable is None else torch.zeros(d, dtype=torch.float64, device=self.device)
+        self._allocate()
+        if self._started is not None:
+            self.start(*self._started)
 
     def _tmp64(self) -> torch.Tensor:
         """float64 scratch, for a grid whose power of two float32 cannot hold (bounds below ~1e-30)."""
@@ -71,6 +113,7 @@ class PayloadAggregator:
     def start(self, cohort_size: int, bounds: dict[str, float | None]) -> None:
         """A new round of ``cohort_size`` clients (all ranks), with the declared value bounds."""
         self._n = cohort_size
+        self._started, self._taken = (cohort_size, bounds), False
         self._acc.zero_()
         self._staged = 0
         self._zero_tails(self._stage.shape[0])
@@ -113,8 +156,9 @@ class PayloadAggregator:
     def update_rows(self, n: int) -> torch.Tensor | None:
         """The update segments of the next ``n`` staged rows as one ``[n, d]`` view (the clients
         finished next, in order, own them), or ``None`` if fewer than ``n`` rows are free before
-        the stage is folded."""
-        if self._staged + n > self._stage.shape[0]:
+        the stage is folded, or when the rows hold the trainable entries only (:meth:`restrict`: the
+        executor's full update is then gathered by :meth:`take`)."""
+        if self._index is not None or self._staged + n > self._stage.shape[0]:
             return None
         return self._stage[self._staged : self._staged + n, : self.layout.offsets["update"][1]]
 
@@ -125,7 +169,9 @@ class PayloadAggregator:
     def take(self, update: torch.Tensor) -> None:
         """The current client's update into the current row: no copy when ``update`` is that row (an
         executor trained into it, see :meth:`update_rows`); another staged row is refused, since it
-        holds a client not yet folded."""
+        holds a client not yet folded. With frozen parameters (:meth:`restrict`) ``update`` is at full
+        length and its trainable entries are gathered into the row (one ``index_select``)."""
+        self._taken = True
         out = self.update_out
         if update.data_ptr() == out.data_ptr() and update.shape == out.shape:
             return
@@ -133,7 +179,10 @@ class PayloadAggregator:
         if start <= update.data_ptr() < start + size:
             raise RuntimeError("an executor yielded a client whose update sits in another client's row: it must yield "
                                "the clients of a block of update_rows(n) in row order")
-        out.copy_(update)
+        if self._index is not None:
+            torch.index_select(update, 0, self._index, out=out)
+        else:
+            out.copy_(update)
 
     @property
     def row(self) -> torch.Tensor:
@@ -209,6 +258,7 @@ class PayloadAggregator:
                     self._acc[a] = math.nan
                 self._acc[a:b].mul_(2.0**L)  # multiples of 2^L below 2^(L+53) add exactly across ranks
         comm.allreduce_sum_(self._acc)  # in place: the sums are the round's until the next start()
+        self._taken = False
         if self.exact:
             for a, b, L in self._scales:  # the total, identical on every rank, within the exact range?
                 if b > a and not _max_abs(self._acc[a:b]) < 2.0 ** (L + 53):
@@ -218,7 +268,10 @@ class PayloadAggregator:
                         f"wrote NaN/inf after the finite check or values far above the bound it declared "
                         f"(value_bound); nothing of this round was applied. Fix: make the plugins' value_bound "
                         f"cover what they write, or set trainer.exact_aggregation=false")
-        return self.layout.views(self._acc)
+        sums = self.layout.views(self._acc)
+        if self._index is not None:  # the update sum at full length: zero at the frozen entries
+            sums[UPDATE] = self._full.zero_().index_copy_(0, self._index, sums[UPDATE])
+        return sums
 
 
 _SUM_COLUMNS = 1 << 16  # columns per converting column sum in _add_rows

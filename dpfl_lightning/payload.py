@@ -7,6 +7,14 @@ delta ``dc`` (``d``) or FedEXP's squared norm ``norm_sq`` (1). Plugins read and 
 segments by name (``client.payload["dc"]``); after the all-reduce the server reads the sums by the
 same names (``server.aggregate["dc"]``).
 
+Frozen parameters are not part of the update (:mod:`dpfl_lightning.frozen`): in a round whose plan
+marks some parameters frozen (``RoundPlan.trainable``), a client's ``update`` segment holds only
+the ``d_t`` trainable entries, in the order of the flat parameters, and only those are bounded,
+noised and sent (for a LoRA adapter on a frozen base, the adapter's entries). The server reads the
+update sum at full length, zero at the frozen entries (``server.aggregate["update"]``, ``d``
+values), so the server step and the plugins' server hooks index it as the flat parameters.
+:func:`full_update` and :func:`trainable_part` convert a client's vector between the two.
+
 A segment states its ``source``:
 
 - ``model``: a function of the client's local model trajectory and of public state only (the update
@@ -80,6 +88,28 @@ class PayloadLayout:
 
     def segment(self, name: str) -> Segment:
         return next(s for s in self.segments if s.name == name)
+
+    def resized(self, name: str, size: int) -> PayloadLayout:
+        """The same layout with segment ``name`` of ``size`` values (the update of a round with frozen
+        parameters)."""
+        return PayloadLayout([Segment(s.name, size, s.source, s.owner, s.derived_from) if s.name == name else s
+                              for s in self.segments])
+
+
+def full_update(update: torch.Tensor, trainable: torch.Tensor | None) -> torch.Tensor:
+    """A client's ``update`` segment at the length of the flat parameters: itself when every
+    parameter is trainable (``trainable`` is ``None``), else a new vector, zero at the frozen
+    entries and ``update`` at the trainable ones (``trainable``: the round's mask,
+    ``client.plan.trainable``)."""
+    if trainable is None:
+        return update
+    return update.new_zeros(trainable.numel()).masked_scatter_(trainable, update)
+
+
+def trainable_part(vector: torch.Tensor, trainable: torch.Tensor | None) -> torch.Tensor:
+    """The entries of a vector over the flat parameters that a client's ``update`` segment holds:
+    ``vector`` itself when every parameter is trainable, else its trainable entries (a copy)."""
+    return vector if trainable is None else vector[trainable]
 
 
 class Aggregate:

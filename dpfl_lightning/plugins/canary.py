@@ -42,7 +42,7 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import UPDATE
+from dpfl_lightning.payload import UPDATE, trainable_part
 from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
 from dpfl_lightning.plugins.sensitivity import scale_to_norm_
 from dpfl_lightning.privacy.audit import Estimate, LowerBound, gaussian_fit_estimate, one_run_lower_bound
@@ -182,7 +182,7 @@ class CanaryClients(FederatedCallback):
             segment.zero_()
         if bool(self.is_inserted[canary]):
             update = client.payload[UPDATE]
-            update.copy_(self.direction(canary))
+            update.copy_(trainable_part(self.direction(canary), client.plan.trainable))  # as the update: no frozen entry
             bound = min(get() for get in self._bounds) if self._bounds else self.norm
             scale_to_norm_([update], bound, only_if_above=False)  # at most C_t: every bound-derived bit agrees
 

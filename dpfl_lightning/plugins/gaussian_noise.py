@@ -233,8 +233,8 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
             return
         std = client_noise_std(self._round_sigma, self.placement, self._cohort_size)
         stream = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE, tag=self._tag)
-        for name in self.segments:  # frozen parameters are not part of the update: no noise on them
-            frozen.add_noise_(stream, client.payload[name], std, client.plan.trainable if name == UPDATE else None)
+        for name in self.segments:  # the update holds its trainable entries only: no noise on frozen ones
+            stream.add_normal_(client.payload[name], std)
 
     def on_aggregate(self, *, server) -> None:
         if self.placement != "central":

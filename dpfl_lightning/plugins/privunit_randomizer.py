@@ -89,15 +89,11 @@ class PrivUnitRandomizer(FederatedCallback):
         return bound
 
     def on_client_end(self, *, client) -> None:
-        u, mask = client.payload[UPDATE], client.plan.trainable
-        x = u.detach() if mask is None else u.detach()[mask]  # frozen parameters are not part of the update
+        u = client.payload[UPDATE]
+        x = u.detach()  # the trainable entries only: frozen parameters are not part of the update
         consts = self._constants(x.numel())
         stream = client.random.stream(client.round_idx, client.client, PRIVUNIT)  # the CSPRNG in secure mode
         release = privunit.privatize(x.to("cpu", torch.float64), consts, stream)
-        if mask is None:
-            u.copy_(release.c.to(u.device, u.dtype))
-        else:
-            u.zero_()
-            u[mask] = release.c.to(u.device, u.dtype)
+        u.copy_(release.c.to(u.device, u.dtype))
         s_hat = privunit.estimate_sq_norm_of(release.c, consts)
         client.payload["norm_sq_estimate"].fill_(float(s_hat))

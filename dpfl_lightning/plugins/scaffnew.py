@@ -42,7 +42,7 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import require
-from dpfl_lightning.payload import UPDATE
+from dpfl_lightning.payload import UPDATE, full_update
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.plugins.control_variate_state import (ClientVectors, FlatGrads, held_placement, print_privacy_line,
                                                           state_note)
@@ -145,7 +145,7 @@ class ScaffNew(FederatedCallback):
     def on_client_end(self, *, client) -> None:
         # D_i as it leaves the client (after clipping and local noise or the noise share; a skipped
         # client's is its noised zero update), and the step size of this round, for the update of h_i
-        self._sent[client.client] = (client.payload["update"].double().clone(), client.lr)
+        self._sent[client.client] = (full_update(client.payload["update"], client.plan.trainable).double(), client.lr)
 
     def on_server_update(self, *, server) -> None:
         mean = server.update  # mean D (the server optimizer applies it next)

@@ -67,7 +67,7 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import UPDATE, Segment
+from dpfl_lightning.payload import UPDATE, Segment, full_update
 from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
 from dpfl_lightning.plugins.control_variate_state import (ClientVectors, FlatGrads, client_level_placements, held_placement,
                                                           print_privacy_line, state_note)
@@ -260,7 +260,7 @@ class SCAFFOLD(FederatedCallback):
             new = scratch["scaffold_grads"] / max(steps, 1)  # c_i^0: the mean gradient at x0
         elif lr_sum > 0:
             # c_i+ = c_i - c + (x - y_K) / (K eta_l), with y_K - x the update
-            new = c_i - self.c - client.payload["update"].double() / lr_sum
+            new = c_i - self.c - full_update(client.payload["update"], client.plan.trainable).double() / lr_sum
         else:  # no step moved the model: nothing to learn about the client's gradients
             new = c_i
         dc.copy_(new - c_i)

@@ -12,7 +12,6 @@ import math
 
 import torch
 
-from dpfl_lightning import frozen
 from dpfl_lightning.errors import require
 from dpfl_lightning.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
@@ -133,10 +132,8 @@ class SensitivityBound(FederatedCallback):
         self.bound_payload(client)
 
     def bound_payload(self, client) -> float:
-        """Bound the client's segments to ``max_norm`` (frozen parameters zeroed first: they are not
-        part of the update, so neither bounded nor sent); return their norm before."""
-        if UPDATE in self.segments:
-            frozen.zero_frozen_(client.payload[UPDATE], client.plan.trainable)
+        """Bound the client's segments to ``max_norm`` (the update segment holds the trainable entries
+        only: frozen parameters are neither bounded nor sent); return their norm before."""
         norm = scale_to_norm_([client.payload[s] for s in self.segments], self.max_norm, self.only_if_above)
         if self.log_norms:
             client.payload["raw_norm"].fill_(norm)

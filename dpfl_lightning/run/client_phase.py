@@ -1,5 +1,6 @@
 """The client phase of a round, one way: the executor trains a client into a row of the
-aggregator; the raw update is checked finite (a non-finite one is replaced by zeros and the client
+aggregator (with frozen parameters, the row takes the update's trainable entries only: frozen
+parameters are not part of the update); the raw update is checked finite (a non-finite one is replaced by zeros and the client
 marked ``skipped`` before any plugin sees it); the plugins' ``on_client_end`` bound and noise the
 payload, once; the row is folded into the rank's sum."""
 
@@ -41,8 +42,10 @@ class ClientPhase:
         self.plan: RoundPlan | None = None
 
     def work(self, plan: RoundPlan, clients: list[int]) -> RoundWork:
-        """What the executor trains this round."""
+        """What the executor trains this round; the aggregator's rows hold the trainable entries of
+        the plan's parameters (all of them when ``plan.trainable`` is ``None``)."""
         self.plan = plan
+        self.aggregator.restrict(plan.trainable)
         return RoundWork(self.module, self.data, plan, clients, self.random, self, self.aggregator.update_rows)
 
     # ------------------------------------------------------------------ the executor's client hooks

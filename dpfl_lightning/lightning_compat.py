@@ -45,11 +45,16 @@ The position moves over a round in one of two ways:
   ``optimizer_step``, schedulers it steps itself in manual optimization, several optimizer steps per
   batch, an epoch ended early); the next round's clients continue from it. The ranks agree on it
   (one all-gather of this summary per round); resumed runs continue it (it is in the checkpoint).
-- otherwise, the schedule alone (below). Where that is not what lightning.Trainer would have, the
-  run says so once with a ``RuntimeWarning``: clients of a round that ended in different states
-  (a learning rate set from the data), no client of ``S`` steps in a round after the module moved
-  their state, ``configure_optimizers`` returning another structure, and any such change in a DP
-  run, where what a client's training decides stays with the client.
+- otherwise, the schedule alone (below): on from where the round's clients started, when they ended
+  where it does; else (no client of ``S`` steps trained in the round, they ended in different states,
+  or in another structure) from the start of round ``r + 1`` of the schedule alone --
+  ``configure_optimizers``' settings, ``global_step = (r + 1) * S``, the schedulers placed as below --
+  never from a state an older round's clients left. Where that is not what lightning.Trainer would
+  have, the run says so once with a ``RuntimeWarning``: clients of a round that ended in different
+  states (a learning rate set from the data), clients of ``S`` steps that took no part in the
+  previous round while the module moves their state (partial participation, clients of different
+  sizes), ``configure_optimizers`` returning another structure, and any such change in a DP run,
+  where what a client's training decides stays with the client.
 
 The schedule alone places the schedulers exactly where that Lightning run would have them (the
 scheduler objects are stepped on a copy, with no data):
@@ -198,7 +203,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from dpfl_lightning.callbacks import RoundTrainer, check_callbacks
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.module import FederatedLightningModule, LoopSettings, is_overridden, optimizer_steps_per_round
-from dpfl_lightning.schedule import RoundEnd, ScheduleCursor, merge_end
+from dpfl_lightning.schedule import ScheduleCursor, merge_end
 from dpfl_lightning.plan import RoundPlan, batch_shape
 
 if TYPE_CHECKING:
@@ -227,8 +232,10 @@ _DIFFERS = {
     "differ": "the clients of a round ended their local training in different optimizer states (global_step, learning "
               "rates or scheduler states depend on their data or size), so the next round's clients start where the "
               "schedule places them",
-    "missing": "no client took the number of steps whose optimizer state the module changed in an earlier round, so "
-               "such clients start where the schedule places them",
+    "missing": "the module changes its optimizers' state in local training, and clients of S optimizer steps per "
+               "round that took no part in the previous round (partial participation with clients of different sizes) "
+               "start where the schedule alone places them (configure_optimizers' settings, its schedulers stepped to "
+               "global_step = round * S), not where one lightning.Trainer run of S steps per epoch would have them",
     "structure": "configure_optimizers returned other optimizers or param groups than the state carried from the "
                  "previous round, so the fresh optimizers keep configure_optimizers' settings",
     "epoch_end": "the module's on_train_epoch_end runs when each client's local training of the round ends, before "
@@ -418,13 +425,8 @@ class LightningRun:
             for part in parts:
                 for steps, end in part.items():
                     merge_end(ends, steps, end)
-        for steps, end in sorted(ends.items()):
-            if end == "differ":
-                self._say("differ")
-            elif isinstance(end, RoundEnd) and not module.take_round_end(steps, round_idx, end):
-                self._say("structure")
-        if {s for s, _ in module.round_ends} - set(ends):
-            self._say("missing")
+        for kind in module.schedules.settle_round(round_idx, ends):
+            self._say(kind)
         for kind in sorted(module.notes):
             self._say(kind)
 

@@ -8,14 +8,21 @@ schedule's position, not by the client: every client of a round that takes ``S``
 round starts from the same :class:`ScheduleCursor`, the position of one Lightning run whose every
 epoch had ``S`` steps, at the start of that round.
 
-The cursor moves over a round in one of two ways:
+The cursor moves from one round to the next in one of three ways:
 
 - the clients of ``S`` steps that trained in the round all ended it in the same state, and that
-  state is not what the schedule alone gives (the module changed a learning rate, stepped its own
-  schedulers, ended an epoch early, stepped several optimizers per batch): the cursor takes that
-  :class:`RoundEnd` (not in a DP run, where what a client's training decides stays with the client);
-- otherwise the schedule alone: ``S`` steps (the step-interval schedulers step after each, in
-  automatic optimization and, placing them by their declared interval, in manual optimization).
+  state is not what the schedule gives from where they started (the module changed a learning rate,
+  stepped its own schedulers, ended an epoch early, stepped several optimizers per batch): the cursor
+  takes that :class:`RoundEnd` (not in a DP run, where what a client's training decides stays with the
+  client);
+- the round left no such state to continue (no client of ``S`` steps trained in it, they ended in
+  different states, or their state could not be taken) after the cursor had taken one: it
+  :data:`RESTART` s where the schedule alone stands at the next round (``configure_optimizers``'
+  settings, ``global_step = (round + 1) * S``, the schedulers stepped as over that many rounds), never
+  from a state an earlier round's clients left (a warm-up ``S`` steps old would stay stale for good);
+- otherwise the schedule alone from where the cursor stands: ``S`` steps (the step-interval
+  schedulers step after each, in automatic optimization and, placing them by their declared interval,
+  in manual optimization).
 
 Then, at the round's end, the epoch-interval schedulers and ``ReduceLROnPlateau`` step, as after
 one Lightning epoch. In manual optimization lightning.Trainer never steps schedulers: the module
@@ -39,6 +46,9 @@ from dpfl_lightning.errors import ConfigError
 
 Groups = list[list[dict[str, Any]]]  # per optimizer, per param group: every setting but "params"
 _MISSING = object()
+#: what a round left clients of ``S`` steps when there is no state to continue: the next round starts
+#: where the schedule alone stands (see the module docstring)
+RESTART = "restart"
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
@@ -126,15 +136,20 @@ class ScheduleCursor:
     """The optimizers and schedulers of clients that take ``steps`` optimizer steps per round, moved
     round by round without data (see the module docstring). ``step(cfg, metric, epoch, global_step)``
     steps one scheduler as the run does at that position; ``metric(r, monitor)`` is the value round
-    ``r`` released; ``taken(r)`` the :class:`RoundEnd` taken for round ``r`` (or ``None``)."""
+    ``r`` released; ``taken(r)`` the :class:`RoundEnd` taken for round ``r``, :data:`RESTART`, or
+    ``None``; ``alone()`` a fresh cursor of the same clients that never takes (where the schedule alone
+    stands: a cursor restarts from it)."""
 
     def __init__(self, opts: list[torch.optim.Optimizer], scheds: list[LRSchedulerConfig], steps: int,
                  automatic: bool, step: Callable[[LRSchedulerConfig, Any, int, int], None],
-                 metric: Callable[[int, str], Any], taken: Callable[[int], RoundEnd | None]) -> None:
+                 metric: Callable[[int, str], Any], taken: Callable[[int], RoundEnd | str | None],
+                 alone: Callable[[], ScheduleCursor] | None = None) -> None:
         self.opts, self.scheds, self.steps, self.automatic = opts, scheds, steps, automatic
         for opt in opts:
             opt._opt_called = True  # these optimizers never step; torch would warn on the first scheduler step
         self._step, self._metric, self._taken = step, metric, taken
+        self._make_alone = alone
+        self._alone: ScheduleCursor | None = None
         self.round = 0
         self.start_step = 0  # global_step at the start of ``round``
         self._by_step = [c for c in scheds if c.interval == "step" and not c.reduce_on_plateau]
@@ -151,6 +166,9 @@ class ScheduleCursor:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             for r in range(self.round, round_idx):
                 end = self._taken(r)
+                if isinstance(end, str):  # RESTART
+                    self._restart(r + 1)
+                    continue
                 if end is not None:
                     self.load(end.groups, end.scheds)
                     self.start_step = end.step
@@ -158,6 +176,18 @@ class ScheduleCursor:
                     self.start_step = self._replay(r)
                 self._end_epoch(r, taken=end is not None)
                 self.round = r + 1
+
+    def _restart(self, round_idx: int) -> None:
+        """Take the state the schedule alone has at the start of ``round_idx`` (from a twin cursor that
+        never takes, moved along with this one)."""
+        if self._make_alone is None:
+            raise RuntimeError("a schedule cursor without a schedule-alone twin cannot restart")
+        if self._alone is None or self._alone.round > round_idx:
+            self._alone = self._make_alone()
+        self._alone.advance(round_idx)
+        self.load(*self._alone.state())
+        self.start_step = self._alone.start_step
+        self.round = round_idx
 
     def _replay(self, r: int) -> int:
         """The round's ``steps`` steps on the schedule alone (step-interval schedulers; in manual

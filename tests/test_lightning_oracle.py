@@ -268,3 +268,68 @@ class EndsEpochEarly(Net):
 def test_one_client_equals_lightning_trainer(tmp_path, make):
     fed, ref = run_both(make, tmp_path)
     assert_same(fed, ref)
+
+
+# ---------------------------------------------------------------------------------------- clients of different sizes
+class OneCycleBySteps(Classifier):
+    """A step-interval OneCycleLR over ``estimated_stepping_batches`` (each client's own run length)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        total = self.trainer.estimated_stepping_batches
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=total)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _by_size(base):
+    """``base`` also recording, by the client's batches per round, its batches per round and its
+    (round, global_step, lrs) at every optimizer step."""
+
+    class BySize(base):
+        def __init__(self):
+            super().__init__()
+            self.sized_batches: dict[int, dict[int, list]] = {}
+            self.sized_steps: dict[int, list] = {}
+
+        def on_train_batch_start(self, batch, batch_idx):
+            rounds = self.sized_batches.setdefault(self.trainer.num_training_batches, {})
+            rounds.setdefault(self.current_epoch, []).append(tuple(t.clone() for t in batch))
+            return super().on_train_batch_start(batch, batch_idx)
+
+        def on_before_optimizer_step(self, optimizer):
+            super().on_before_optimizer_step(optimizer)
+            self.sized_steps.setdefault(self.trainer.num_training_batches, []).append(self.steps[-1])
+
+    BySize.__name__ = base.__name__
+    return BySize
+
+
+@pytest.mark.parametrize("make", [WarmUpInOptimizerStep, OneCycleBySteps], ids=lambda m: m.__name__)
+def test_clients_of_different_sizes_each_follow_their_own_lightning_run(tmp_path, make):
+    """Full participation, clients of 4 and 3 batches a round: each client's global_step and learning
+    rates at every step are those of one lightning.Trainer run over that client's batches (the weights
+    differ: the server averages)."""
+    make = _by_size(make)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(56 + 16, 10, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    data = FederatedDataModule.from_tensors(x[:56], y[:56], x[56:], y[56:],
+                                            client_indices=[list(range(32)), list(range(32, 56))])
+    fed = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FederatedTrainer(rounds=ROUNDS, batch_size=BATCH, seed=0, num_threads=1, enable_progress_bar=False,
+                         enable_summary=False, log_dir=str(tmp_path / "fed")).fit(fed, data)
+    differ = [str(w.message) for w in caught if "lightning.Trainer would differ" in str(w.message)]
+    assert all("on_train_epoch_end" in m for m in differ), differ  # (Probe's hook: the documented difference)
+    assert sorted(fed.sized_steps) == [3, 4]
+    for steps, batches in fed.sized_batches.items():
+        ref = make()
+        trainer = L.Trainer(max_epochs=ROUNDS, deterministic=True, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            accelerator="cpu", devices=1, default_root_dir=str(tmp_path / f"lightning{steps}"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(ref, DataLoader(Replay(batches, lambda: trainer), batch_size=None))
+        assert len(fed.sized_steps[steps]) == len(ref.steps) == ROUNDS * steps
+        assert fed.sized_steps[steps] == ref.steps, steps

@@ -1,7 +1,9 @@
 """Schedule replay: every client builds fresh optimizers from ``configure_optimizers``, placed where
 one Lightning run's schedule would stand at the client's round (a cursor per number of optimizer
-steps per round, see :mod:`dpfl_lightning.schedule`); where the clients of a round all ended in the
-same state that the schedule alone does not give, the next round's clients continue from it."""
+steps per round, see :mod:`dpfl_lightning.schedule`); where the clients of ``S`` steps of a round all
+ended in the same state that the schedule alone does not give, the next round's clients of ``S``
+steps continue from it; where a round leaves them nothing to continue (none of them trained, they
+ended differently) they restart where the schedule alone stands."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.module.optimizers import parse_optimizers, step_scheduler_as_lightning
-from dpfl_lightning.schedule import RoundEnd, ScheduleCursor, ended_as, hyperparameters, merge_end
+from dpfl_lightning.schedule import RESTART, RoundEnd, ScheduleCursor, ended_as, hyperparameters, merge_end
 
 #: a rule on the optimizers ``configure_optimizers`` returns, checked at set-up (it raises to refuse)
 OptimizerRule = Callable[[list[torch.optim.Optimizer]], None]
@@ -37,6 +39,9 @@ class ScheduleReplay:
         self.client_ends: dict[int, RoundEnd | str | None] = {}
         self.notes: set[str] = set()  # what the run says differs from lightning.Trainer (once each)
         self.carried: set[int] = set()  # the steps per round with a round end taken
+        self.restarts: set[tuple[int, int]] = set()  # (steps per round, round) after which the schedule alone
+        self.off_schedule: set[int] = set()  # the steps per round whose cursor continues a round end taken
+        self.last_seen: dict[int, int] = {}  # the last round in which clients of each step count trained
         self.optimizer_rules = []
 
     # ------------------------------------------------------------------ where a client starts
@@ -52,14 +57,14 @@ class ScheduleReplay:
 
     def start_step(self, steps: int, round_idx: int) -> int:
         """``global_step`` at the start of ``round_idx`` for clients of ``steps`` steps per round: that of
-        the last round end taken before it, plus ``steps`` per round since."""
+        the last round end taken before it, plus ``steps`` per round since; ``round_idx * steps`` when
+        none was taken, or a restart came after it."""
         cur = self.cursors.get(steps)
         if cur is not None and cur.round <= round_idx:
             return self.cursor(steps, round_idx).start_step
-        taken = [r for s, r in self.round_ends if s == steps and r < round_idx]
-        if not taken:
+        last = max((r for s, r in self.round_ends if s == steps and r < round_idx), default=-1)
+        if last < 0 or any(s == steps and last < r < round_idx for s, r in self.restarts):
             return round_idx * steps
-        last = max(taken)
         return self.round_ends[(steps, last)].step + (round_idx - 1 - last) * steps
 
     def configure(self, steps: int) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
@@ -92,13 +97,23 @@ class ScheduleReplay:
         of ``round_idx`` (see :mod:`dpfl_lightning.schedule`)."""
         cur = self.cursors.get(steps)
         if cur is None or cur.round > round_idx:
-            opts, scheds = self.configure(steps)
-            cur = self.cursors[steps] = ScheduleCursor(
-                opts, scheds, steps, self.fm.automatic_optimization, self._cursor_step,
-                lambda r, monitor: self.round_metrics.get(r, {}).get(monitor),
-                lambda r: self.round_ends.get((steps, r)))
+            cur = self.cursors[steps] = self._new_cursor(steps, lambda r: self._outcome(steps, r))
         cur.advance(round_idx)
         return cur
+
+    def _new_cursor(self, steps: int, taken: Callable[[int], RoundEnd | str | None]) -> ScheduleCursor:
+        opts, scheds = self.configure(steps)
+        return ScheduleCursor(opts, scheds, steps, self.fm.automatic_optimization, self._cursor_step,
+                              lambda r, monitor: self.round_metrics.get(r, {}).get(monitor), taken,
+                              alone=lambda: self._new_cursor(steps, lambda r: None))
+
+    def _outcome(self, steps: int, round_idx: int) -> RoundEnd | str | None:
+        """What round ``round_idx`` left clients of ``steps`` steps: a round end taken, a restart, or
+        nothing (the schedule goes on from where they started)."""
+        end = self.round_ends.get((steps, round_idx))
+        if end is None and (steps, round_idx) in self.restarts:
+            return RESTART
+        return end
 
     def _cursor_step(self, cfg: LRSchedulerConfig, metric: Any, epoch: int, global_step: int) -> None:
         """A scheduler step of a cursor, with ``current_epoch`` and ``global_step`` showing its position
@@ -154,13 +169,52 @@ class ScheduleReplay:
             return False
         self.round_ends[(steps, round_idx)] = end
         self.carried.add(steps)
+        self.off_schedule.add(steps)
         return True
 
+    def settle_round(self, round_idx: int, ends: dict[int, RoundEnd | str | None]) -> list[str]:
+        """After round ``round_idx`` of a run that is not DP, given what its clients of each step count
+        did (:meth:`round_ends_of_clients`, combined over ranks): take each common round end; restart,
+        where the schedule alone stands, the step counts whose cursor continues a round end taken and
+        that the round leaves nothing to continue. Returns what differs from lightning.Trainer (the
+        keys of ``lightning_compat``'s notes): ``differ``, ``structure``, and ``missing`` when a step
+        count that took no part in the previous round ended off the schedule, or a continued one took no
+        part in this round (its next clients start where the schedule alone stands)."""
+        said = []
+        for steps, end in sorted(ends.items()):
+            if isinstance(end, RoundEnd):
+                if not self.take_round_end(steps, round_idx, end):
+                    said.append("structure")
+                    self._restart(steps, round_idx)
+                elif round_idx > 0 and self.last_seen.get(steps) != round_idx - 1:
+                    said.append("missing")
+            elif end == "differ":
+                said.append("differ")
+                self._restart(steps, round_idx)
+            self.last_seen[steps] = round_idx
+        for steps in sorted(self.off_schedule - set(ends)):
+            said.append("missing")
+            self._restart(steps, round_idx)
+        return said
+
+    def _restart(self, steps: int, round_idx: int) -> None:
+        if steps in self.off_schedule:
+            self.restarts.add((steps, round_idx))
+            self.off_schedule.discard(steps)
+
     def schedule_state(self) -> list[dict[str, Any]]:
-        """The round ends taken so far, in plain types (for the run's checkpoint)."""
-        return [dict(end.as_dict(), steps=s, round=r) for (s, r), end in sorted(self.round_ends.items())]
+        """The round ends taken so far, the restarts and the last round each step count trained in, in
+        plain types (for the run's checkpoint)."""
+        out = [dict(end.as_dict(), steps=s, round=r) for (s, r), end in sorted(self.round_ends.items())]
+        out += [{"steps": s, "round": r, "restart": True} for s, r in sorted(self.restarts)]
+        return out + [{"steps": s, "round": r, "seen": True} for s, r in sorted(self.last_seen.items())]
 
     def load_schedule_state(self, state: list[dict[str, Any]]) -> None:
-        self.round_ends = {(d["steps"], d["round"]): RoundEnd(d["step"], d["groups"], d["scheds"]) for d in state}
+        ends = [d for d in state if not d.get("restart") and not d.get("seen")]
+        self.round_ends = {(d["steps"], d["round"]): RoundEnd(d["step"], d["groups"], d["scheds"]) for d in ends}
+        self.restarts = {(d["steps"], d["round"]) for d in state if d.get("restart")}
+        self.last_seen = {d["steps"]: d["round"] for d in state if d.get("seen")}
         self.carried = {s for s, _ in self.round_ends}
+        self.off_schedule = {s for s in self.carried if max(r for t, r in self.round_ends if t == s)
+                             > max((r for t, r in self.restarts if t == s), default=-1)}
         self.cursors = {}

@@ -19,6 +19,7 @@ import netrc
 import os
 import re
 import secrets
+import shlex
 import string
 import sys
 import time
@@ -280,8 +281,17 @@ class WandbLogger(_LightningWandbLogger):
             if self.mode == "offline":
                 dirs = self.offline_dirs()
                 if dirs:
-                    what = " ".join(dirs) if len(dirs) == 1 else f"--id {self.run_id} " + " ".join(dirs)
-                    print(f"wandb: offline run saved; upload it with: wandb sync {what}", file=sys.stderr, flush=True)
+                    print(sync_hint(self.run_id, dirs), file=sys.stderr, flush=True)
+
+
+def sync_hint(run_id: str | None, dirs: Sequence[str]) -> str:
+    """How to upload an offline W&B run: the ``wandb sync`` command on lines of its own, one
+    directory a line (``\\``-continued), so that no path starts mid-line where a terminal would fold
+    it; a path wider than the terminal is folded on its own line, still whole when copied."""
+    head = "wandb: offline run saved; upload it with:\n  wandb sync"
+    if len(dirs) == 1:
+        return f"{head} {shlex.quote(dirs[0])}"
+    return f"{head} --id {run_id} \\\n" + " \\\n".join(f"    {shlex.quote(d)}" for d in dirs)
 
 
 def _quiet_settings(settings: Any) -> Any:
@@ -433,6 +443,37 @@ def epsilon_columns(ledger: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+#: a guarantee's audience in the short form of the console (the privacy statement says it in full)
+AUDIENCES = {"models": "towards anyone who sees the models", "server": "towards the server"}
+
+
+def delta_text(delta: float) -> str:
+    """``1e-4``, ``2.5e-6``, ``0.01``: a delta as people write it."""
+    if not 0 < delta < 1e-3:
+        return f"{delta:g}"
+    exponent = math.floor(math.log10(delta))
+    mantissa = round(delta / 10.0 ** exponent, 3)
+    if mantissa >= 10:
+        mantissa, exponent = mantissa / 10, exponent + 1
+    return f"{mantissa:g}e{exponent}"
+
+
+def epsilon_notes(ledger: Any) -> dict[str, str]:
+    """What each logged epsilon column is, in the console's short form:
+    ``{"epsilon": "(delta=1e-4, towards anyone who sees the models)"}`` (``record-level, `` first for
+    a record-level guarantee). The delta and the audience are settings, not data: nothing here
+    depends on a client. Empty without a ledger."""
+    out = {}
+    for column, info in epsilon_columns(ledger).items():
+        parts = ["record-level"] if info["granularity"] == "record" else []
+        if isinstance(info["delta"], (int, float)):
+            parts.append(f"delta={delta_text(info['delta'])}")
+        towards = AUDIENCES.get(info["audience"]) or info["towards"]
+        parts += [towards] if towards else []
+        out[column] = f"({', '.join(parts)})"
+    return out
+
+
 def privacy_settings(mechanisms: Iterable[Any], ledger: Any = None, statement: Iterable[str] | None = None) -> dict[str, Any]:
     """The privacy settings of a run, after set-up (calibrated noise resolved): every declared
     mechanism (its source, placement, granularity, covered segments, description); the ledger's
@@ -523,11 +564,25 @@ def _order(keys: Iterable[str]) -> list[str]:
     return sorted(keys, key=lambda k: (rank(k), k))
 
 
-def metrics_line(metrics: Mapping[str, Any], keys: Sequence[str] | None = None) -> str:
-    """``val_acc=0.7111  val_loss=1.193  epsilon=1.534``: ``keys`` in order, or every metric but the
-    bookkeeping ones (round, time, cohort size), accuracies first."""
+def metrics_line(metrics: Mapping[str, Any], keys: Sequence[str] | None = None,
+                 notes: Mapping[str, str] | None = None) -> str:
+    """``val_acc=0.7111  epsilon=1.534 (delta=1e-5, towards the server)  val_loss=1.193``: ``keys`` in
+    order, or every metric but the bookkeeping ones (round, time, cohort size), accuracies first;
+    ``notes`` follow their metric's value (see :func:`epsilon_notes`)."""
+    notes = notes or {}
     shown = keys if keys is not None else _order(k for k in metrics if k not in _BOOKKEEPING)
-    return "  ".join(f"{k}={_fmt(metrics[k])}" for k in shown if k in metrics)
+    return "  ".join(f"{k}={_fmt(metrics[k])}" + (f" {notes[k]}" if k in notes else "") for k in shown if k in metrics)
+
+
+def annotated_rows(rows: Mapping[str, Any], notes: Mapping[str, str]) -> dict[str, Any]:
+    """Summary rows (see :func:`summary_rows`) with each epsilon's note after its value
+    (``epsilon``, ``epsilon (round 3)``: ``1.534 (delta=1e-5, towards the server)``)."""
+    out = dict(rows)
+    for key, value in rows.items():
+        note = notes.get(re.sub(r" \(round \d+\)$", "", key))
+        if note is not None and isinstance(value, (int, float)):
+            out[key] = f"{_fmt(float(value))} {note}"
+    return out
 
 
 class _ProgressWithMetrics(Progress):
@@ -596,12 +651,19 @@ class RoundProgress:
             epsilon first).
         every: plain output only: a line every this many rounds.
         console: the rich console to draw on (default: stderr).
+        notes: shown after a metric's value, e.g. each epsilon's delta and audience (see
+            :func:`epsilon_notes`).
+
+    :meth:`notice` prints a line above the live bar (a signal's notice); :meth:`close` stops the bar
+    for good, so that what a stopping run prints last (the resume command) comes after it.
     """
 
     def __init__(self, total: int, start: int, enabled: bool, keys: list[str] | None = None,
-                 every: int | None = None, console: Console | None = None) -> None:
+                 every: int | None = None, console: Console | None = None,
+                 notes: Mapping[str, str] | None = None) -> None:
         self.enabled = enabled
         self.keys = keys
+        self.notes = dict(notes or {})
         self.total = total
         self.done = start
         self.every = every or max(1, math.ceil(total / 10))
@@ -632,7 +694,7 @@ class RoundProgress:
         self.done += 1
         self._latest.update({k: v for k, v in metrics.items()})
         if self.interactive:
-            line = metrics_line(self._latest, self.keys)
+            line = metrics_line(self._latest, self.keys, self.notes)
             if self._progress is None:
                 self._start(line)
             else:
@@ -643,12 +705,22 @@ class RoundProgress:
         self._previous_keys = keys
         r = int(metrics.get("round", self.done))
         if new_keys or r % self.every == 0 or r >= self.total:
-            line = metrics_line(metrics, self.keys)
+            line = metrics_line(metrics, self.keys, self.notes)
             width = len(str(self.total))
             print(f"round {r:>{width}}/{self.total}  {line}  [{_clock(time.perf_counter() - self._t0)}]".rstrip(),
                   file=self.console.file, flush=True)
 
+    def notice(self, text: str) -> bool:
+        """Print ``text`` above the live bar, wrapped between words to the terminal's width; ``False``
+        (nothing printed) when no bar is live: the caller writes it itself."""
+        live = self._progress
+        if live is None:
+            return False
+        live.console.print(Text(text), highlight=False)
+        return True
+
     def close(self) -> None:
+        """Stop the bar (drawn once more, where it is); nothing is drawn after this."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
@@ -696,13 +768,16 @@ def summary_rows(history: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] 
 
 
 def summary_table(title: str, rows: Mapping[str, Any]) -> Table:
+    """The summary as a two-column table that fits the console (a long value, e.g. an epsilon with
+    its note, wraps between words inside its cell)."""
     table = Table(title=title, show_header=True, header_style="bold")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+    table.add_column("metric", overflow="fold")
+    table.add_column("value", justify="right", overflow="fold")
     for k, v in rows.items():
         table.add_row(k, _fmt(v))
     return table
 
 
-def print_summary(title: str, rows: Mapping[str, Any]) -> None:
-    Console(stderr=True).print(summary_table(title, rows))
+def print_summary(title: str, rows: Mapping[str, Any], console: Console | None = None) -> None:
+    """Print :func:`summary_table` (on stderr unless ``console`` is given)."""
+    (console or Console(stderr=True)).print(summary_table(title, rows))

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import signal
 import sys
+import textwrap
 import threading
 from typing import Any
 
@@ -50,16 +51,46 @@ class Preempted(SystemExit):
                 f"checkpoint {self.checkpoint}")
 
 
+#: what a first Ctrl-C says (at once: the round may take a while)
+INTERRUPT_NOTICE = "interrupt: the run stops after this round, with a checkpoint (Ctrl-C again to stop at once)"
+
+
+def terminal_width() -> int | None:
+    """The width of the terminal stderr is on (``None`` for a file or a pipe: lines are not wrapped
+    there), as rich sees it (``COLUMNS`` and ``TTY_COMPATIBLE`` count)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return console.width if console.is_terminal else None
+
+
+def wrap_notice(text: str, width: int | None) -> str:
+    """``text`` wrapped between words to ``width`` (continuation lines indented; a path or any
+    other word longer than the line is never broken); unchanged for ``width=None``."""
+    if not width:
+        return text
+    return textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+
+
 class SignalWatch:
     """Records the first of :data:`SIGNALS` that arrives while installed (``with SignalWatch():``).
 
-    The handlers only set a flag (and write one line for Ctrl-C); the previous handlers come back
-    on exit. Outside the main thread nothing is installed (Python delivers signals there only)."""
+    The handlers only set a flag (and print one notice for Ctrl-C: above the live progress bar of
+    :meth:`watch` when there is one, else wrapped to the terminal's width); the previous handlers
+    come back on exit. Outside the main thread nothing is installed (Python delivers signals there
+    only)."""
 
     def __init__(self, announce: bool = True) -> None:
         self.received = 0
         self.announce = announce
+        self.display: Any = None
         self._previous: dict[int, Any] = {}
+
+    def watch(self, display: Any) -> None:
+        """The run's live console display (:class:`~dpfl_lightning.loggers.RoundProgress`): a notice
+        goes above it (``display.notice(text)``, ``False`` when it is not live) and it is stopped
+        (``display.close()``) once a stop is agreed, before the run prints how to resume."""
+        self.display = display
 
     def __enter__(self) -> SignalWatch:
         if threading.current_thread() is threading.main_thread():
@@ -77,16 +108,31 @@ class SignalWatch:
             raise KeyboardInterrupt  # Ctrl-C while a stop is pending: stop now
         if not self.received:
             self.received = signum
-            if self.announce and signum == signal.SIGINT:  # a raw write: safe inside a handler
-                os.write(2, b"\ninterrupt: the run stops after this round, with a checkpoint "
-                            b"(Ctrl-C again to stop at once)\n")
+            if self.announce and signum == signal.SIGINT:
+                self._notice(INTERRUPT_NOTICE)
+
+    def _notice(self, text: str) -> None:
+        """Through the live display (rich wraps it and draws the bar again below it), else a raw
+        write (no buffered stream is touched inside the handler) wrapped to the terminal's width."""
+        try:
+            if self.display is not None and self.display.notice(text):
+                return
+        except Exception:  # noqa: BLE001 - the notice must never break the run; write it raw instead
+            pass
+        os.write(2, ("\n" + wrap_notice(text, terminal_width()) + "\n").encode(errors="replace"))
 
     def agreed(self, comm: Any, device: torch.device) -> int:
-        """The signal any rank received (0: none); every rank calls this at the same point."""
+        """The signal any rank received (0: none); every rank calls this at the same point. When it
+        is not 0 the run stops now: the live display is closed first, so that what the stop prints
+        (the checkpoint, the resume command) comes after the bar, not under a bar drawn again."""
         if comm is None or comm.size == 1:
-            return self.received
-        flag = torch.tensor([float(self.received)], dtype=torch.float64, device=device)
-        return int(comm.allreduce_max_(flag).item())
+            signum = self.received
+        else:
+            flag = torch.tensor([float(self.received)], dtype=torch.float64, device=device)
+            signum = int(comm.allreduce_max_(flag).item())
+        if signum and self.display is not None:
+            self.display.close()
+        return signum
 
 
 def _python() -> str:
@@ -127,28 +173,36 @@ def resume_command(checkpoint: str, argv: list[str] | None = None, world_size: i
     return shlex.join(head + _without_resume(argv[1:]) + ["--resume", checkpoint])
 
 
-def how_to_resume(checkpoint: str, world_size: int) -> str:
-    """``resume with: <command>`` (or, for a Python script, the ``fit`` call)."""
+def how_to_resume(checkpoint: str, world_size: int, width: int | None = None) -> str:
+    """``resume with: <command>`` (or, for a Python script, the ``fit`` call). On a terminal of
+    ``width`` columns that the line does not fit, the command goes on a line of its own, whole: a
+    command to copy is never broken (a terminal narrower than it folds that line only)."""
     command = resume_command(checkpoint, world_size=world_size)
-    if command is not None:
-        return f"resume with: {command}"
-    return (f"resume with: trainer.fit(module, data, ckpt_path={checkpoint!r}) "
-            "(or ckpt_path='last': the newest checkpoint of the run, if there is one)")
+    if command is None:
+        text = (f"resume with: trainer.fit(module, data, ckpt_path={checkpoint!r}) "
+                "(or ckpt_path='last': the newest checkpoint of the run, if there is one)")
+        return wrap_notice(text, width)
+    if width and len(f"resume with: {command}") > width:
+        return f"resume with:\n  {command}"
+    return f"resume with: {command}"
 
 
 def resume_hint(checkpoint: str, rounds_done: int, signum: int, world_size: int) -> list[str]:
-    """What rank 0 prints when a run stops on a signal."""
-    return [f"preempted: {signal.Signals(signum).name} received; stopped after round {rounds_done}, "
-            f"checkpoint written to {checkpoint}", how_to_resume(checkpoint, world_size)]
+    """What rank 0 prints when a run stops on a signal (wrapped to the terminal's width; one line
+    each in a file or a pipe)."""
+    width = terminal_width()
+    return [wrap_notice(f"preempted: {signal.Signals(signum).name} received; stopped after round {rounds_done}, "
+                        f"checkpoint written to {checkpoint}", width), how_to_resume(checkpoint, world_size, width)]
 
 
 def interrupt_hint(checkpoint: str, world_size: int) -> list[str]:
-    """What rank 0 prints when a second Ctrl-C stopped the run at once."""
+    """What rank 0 prints when a second Ctrl-C stopped the run at once (wrapped as :func:`resume_hint`)."""
+    width = terminal_width()
     if not os.path.isfile(checkpoint):
-        return ["interrupted: no checkpoint was written (set checkpoint_every; or press Ctrl-C once: the run then "
-                "stops after the round with a checkpoint)"]
-    return [f"interrupted: the rounds after the newest checkpoint ({checkpoint}) are lost",
-            how_to_resume(checkpoint, world_size)]
+        return [wrap_notice("interrupted: no checkpoint was written (set checkpoint_every; or press Ctrl-C once: the "
+                            "run then stops after the round with a checkpoint)", width)]
+    return [wrap_notice(f"interrupted: the rounds after the newest checkpoint ({checkpoint}) are lost", width),
+            how_to_resume(checkpoint, world_size, width)]
 
 
 def finalize_mpi_at_exit() -> None:

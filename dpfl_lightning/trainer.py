@@ -41,7 +41,7 @@ from dpfl_lightning.run.client_phase import ClientPhase
 from dpfl_lightning.run.client_states import ClientStates
 from dpfl_lightning.run.evaluation import RoundEvaluation
 from dpfl_lightning.run.hooks import HookTable
-from dpfl_lightning.run.reporting import open_loggers, print_run_summary
+from dpfl_lightning.run.reporting import open_loggers, print_run_summary, round_progress
 from dpfl_lightning.run.round_row import RoundRow
 from dpfl_lightning.run.server_phase import ServerPhase
 from dpfl_lightning.run.setup import RunSetup, build_run, collect_mechanisms
@@ -301,7 +301,7 @@ class FederatedTrainer:
                 run.ledger.setup(ctx=run.ctx)
         loggers = open_loggers(self.settings, self.extra_loggers, run, self.status, self._run_config(),
                                start if state is not None else None) if self.is_global_zero else []
-        progress = RoundProgress(self.rounds, start, self.enable_progress_bar and self.is_global_zero)
+        progress = round_progress(self.settings, run, start, self.is_global_zero, signals)  # (epsilon notes)
         self.call_hook("on_fit_start", ctx=run.ctx)
         run.print_privacy_statement(self.is_global_zero and self.enable_summary)
         # Everything set up so far (torch, Lightning, the data, the module: ~4e5 objects) lives for the

@@ -1,11 +1,12 @@
 """What a fit writes for people: its loggers (the CSV log, W&B, ...) with the privacy settings of a DP
-run, and the end-of-run summary."""
+run, the console progress (each epsilon with its delta and audience) and the end-of-run summary."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dpfl_lightning.loggers import log_privacy_settings, make_loggers, print_summary, privacy_settings, summary_rows
+from dpfl_lightning.loggers import (RoundProgress, annotated_rows, epsilon_notes, log_privacy_settings, make_loggers,
+                                    print_summary, privacy_settings, summary_rows)
 from dpfl_lightning.run.setup import RunSetup
 from dpfl_lightning.run.status import RunStatus
 from dpfl_lightning.settings import TrainerSettings
@@ -21,11 +22,24 @@ def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, sta
     return loggers
 
 
+def round_progress(settings: TrainerSettings, run: RunSetup, start: int, is_global_zero: bool,
+                   signals: Any = None) -> RoundProgress:
+    """The console progress of a fit (rank 0, when enabled), each epsilon shown with its delta and
+    audience; given the run's :class:`~dpfl_lightning.preemption.SignalWatch`, a signal's notice is
+    printed above the live bar and the bar is stopped before the run says how to resume."""
+    progress = RoundProgress(settings.rounds, start, settings.enable_progress_bar and is_global_zero,
+                             notes=epsilon_notes(run.ledger))
+    if signals is not None:
+        signals.watch(progress)
+    return progress
+
+
 def print_run_summary(settings: TrainerSettings, run: RunSetup, status: RunStatus, num_clients: int,
                       ranks: int) -> None:
-    """The end-of-run table and, in a DP run, what the logs release."""
+    """The end-of-run table (each epsilon with its delta and audience) and, in a DP run, what the
+    logs release."""
     rows = summary_rows(status.history, extra={"num_clients": num_clients, "ranks": ranks})
     if status.stop_reason:
         rows["stopped"] = status.stop_reason
-    print_summary(f"{settings.run_name}: done", rows)
+    print_summary(f"{settings.run_name}: done", annotated_rows(rows, epsilon_notes(run.ledger)))
     run.print_release_notes()

@@ -12,11 +12,13 @@ per-tensor path: on other devices it takes the ``_foreach`` kernels, whose round
 Everything else goes through the optimizer's own methods, as under ``lightning.Trainer``.
 
 An optimizer may also declare rules of its own that the loop honours without knowing them (see
-:func:`batch_starts` and :func:`check_gradient_clipping`): DP-SGD's refusals live with DP-SGD.
+:func:`batch_starts`, :func:`check_gradient_clipping` and :func:`gradient_clipping`): DP-SGD's
+refusals live with DP-SGD.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from itertools import chain
 from typing import Any
@@ -154,7 +156,9 @@ def zero_grad(optimizer: torch.optim.Optimizer) -> None:
 #   ``on_train_batch_start()``: called before every ``training_step`` of manual optimization, where
 #       the module steps its optimizers itself (an optimizer that may step once per batch counts here);
 #   ``check_gradient_clipping(clip_val)``: called before the batch gradient is clipped at
-#       ``clip_val`` (``self.clip_gradients``, ``gradient_clip_val``); it raises if that is refused.
+#       ``clip_val`` (``self.clip_gradients``, ``gradient_clip_val``); it raises if that is refused;
+#   ``gradient_clipping()``: a context manager around the module's ``configure_gradient_clipping``
+#       override, which may clip with torch directly; it raises if what the override did is refused.
 
 
 def batch_starts(optimizers: list[torch.optim.Optimizer]) -> list[Any]:
@@ -167,3 +171,9 @@ def check_gradient_clipping(optimizer: torch.optim.Optimizer, clip_val: float) -
     check = getattr(optimizer, "check_gradient_clipping", None)
     if check is not None:
         check(clip_val)
+
+
+def gradient_clipping(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer's context around a ``configure_gradient_clipping`` override (see above), or none."""
+    around = getattr(optimizer, "gradient_clipping", None)
+    return around() if around is not None else contextlib.nullcontext()

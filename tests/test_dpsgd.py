@@ -348,8 +348,10 @@ def test_a_layer_frozen_in_init_and_unfrozen_in_a_later_round_trains_under_dpsgd
     trainer.fit(model, tiny_data())
     first = model.first_layer_by_round
     assert torch.equal(first[0], start)  # frozen in round 0
-    assert not torch.equal(first[1], first[0]) and not torch.equal(first[2], first[1])  # trained from round 1 on
-    assert seen.first_layer == [None] * 4 + [4] * 8  # per-record gradients once unfrozen
+    # unfrozen during round 1: trained by its clients, but frozen when the round started, so not part
+    # of that round's update (dpfl_lightning.frozen); it joins from round 2, the first to start with it trainable
+    assert torch.equal(first[1], first[0]) and not torch.equal(first[2], first[1])
+    assert seen.first_layer == [None] * 4 + [4] * 8  # per-record gradients once unfrozen (round 1 on)
 
 
 class UnfreezesAttention(UnfreezesInRound):

@@ -73,3 +73,34 @@ def test_dpsgd_refuses_local_loop_settings_before_it_changes_the_model(log_dir, 
         quiet_trainer(log_dir, rounds=1, clients_per_round=1, plugins=[DPSGD(noise_multiplier=1.0, fix_model=True)],
                       **kw).fit(model, tiny_data())
     assert type(model.norm) is torch.nn.BatchNorm1d  # the module as the user built it
+
+
+class ClipsWithTorch(TinyClassifier):
+    """A ``configure_gradient_clipping`` that clips the batch gradient with torch directly."""
+
+    def __init__(self, max_norm=1e-3):
+        super().__init__(lr=1.0)
+        self.max_norm = max_norm
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_norm)
+
+
+def test_dpsgd_refuses_a_configure_gradient_clipping_that_clips_with_torch_before_the_step(log_dir):
+    model = ClipsWithTorch()
+    start = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=r"model.configure_gradient_clipping='changes p.grad': DP-SGD clips every "
+                                          r"record's gradient.*Fix: remove the clipping.*max_grad_norm"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=1, plugins=[DPSGD(noise_multiplier=1.0)]).fit(
+            model, tiny_data())
+    assert all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start))  # refused before any step
+    # a bound that no gradient reaches is refused too: torch writes p.grad whatever the norm
+    with pytest.raises(ConfigError, match="configure_gradient_clipping"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=1, plugins=[DPSGD(noise_multiplier=1.0)]).fit(
+            ClipsWithTorch(max_norm=1e9), tiny_data())
+    # without DP-SGD the override clips, as under lightning.Trainer: one step of lr 1 moves by at most max_norm
+    model = ClipsWithTorch()
+    start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    quiet_trainer(log_dir, rounds=1, clients_per_round=1, local_steps=1).fit(model, tiny_data())
+    moved = (torch.cat([p.detach().flatten() for p in model.parameters()]) - start).norm()
+    assert 0 < moved <= 1e-3 * (1 + 1e-5)

@@ -163,8 +163,9 @@ class ClientLoop:
         if self._clip:
             loop = fm.loop
             if self.overridden["configure_gradient_clipping"]:
-                m.configure_gradient_clipping(optimizer, gradient_clip_val=loop.gradient_clip_val,
-                                              gradient_clip_algorithm=loop.gradient_clip_algorithm)
+                with optimizer_calls.gradient_clipping(optimizer):
+                    m.configure_gradient_clipping(optimizer, gradient_clip_val=loop.gradient_clip_val,
+                                                  gradient_clip_algorithm=loop.gradient_clip_algorithm)
             else:
                 fm.trainer_shim.precision_plugin.clip_gradients(optimizer, loop.gradient_clip_val,
                                                                 loop.gradient_clip_algorithm or "norm")

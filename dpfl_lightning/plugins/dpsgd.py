@@ -5,6 +5,10 @@ Each local step clips every record's gradient to L2 norm ``max_grad_norm`` (``C`
 ``DPOptimizer``, created fresh for every client around the module's own optimizer. Per-record
 gradients come from one Opacus ``GradSampleModule`` wrapped around the rank's model once; the
 module's own ``training_step`` keeps running unchanged (Opacus's hooks sit on the layers).
+Only the parameters trainable at a step take part in it, as with plain Opacus: a record's gradient
+norm that is clipped is over them, the noise is added to them, and a frozen parameter
+(``requires_grad=False``: a LoRA model's base weights and tied head, a frozen BatchNorm) gets no
+per-record gradient, no noise and no step.
 
 Sensitivity and threat model: neighbouring datasets differ in one record of one client
 (add/remove for Poisson batches, replace-one for fixed-size batches). The clipped sum of a batch
@@ -22,6 +26,7 @@ from the CSPRNG (noise with the floating-point mitigation of :mod:`dpfl_lightnin
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Any
 
@@ -67,7 +72,11 @@ class DPSGD(CalibratedNoise, FederatedCallback):
             fixers (``opacus.validators.ModuleValidator.FIXERS``) instead of failing. The layers are
             replaced in the module you passed (in place: it is the module that trains and holds the
             result), and a warning lists them; if layers remain that Opacus cannot handle, the
-            module is left as it was and the run is refused.
+            module is left as it was and the run is refused, and if the run fails later (in DPSGD's
+            set-up or in any round) the layers it had are put back (the objects you built, as you
+            built them; the other layers hold the global model, as after any failed fit).
+            In-place operations after a trainable layer (``nn.ReLU(inplace=True)``, a residual
+            ``out += identity``) need no fix.
         loss_reduction: how the module's loss reduces over a batch (``mean`` or ``sum``).
         accountant: for calibration (``rdp``, ``pld``, ``prv``).
         allow_infinite_epsilon: accept ``noise_multiplier=0`` (clipping only, no guarantee).
@@ -104,6 +113,8 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         self.accountant = accountant
         self.allow_infinite_epsilon = allow_infinite_epsilon
         self.replaced: list[str] = []
+        self._fixes: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []  # (name, the user's layer, its replacement)
+        self._outer_error: BaseException | None = None
         self._grad_sample_module = None
         self._coverage_checked = False
         self._trainable: tuple[bool, ...] | None = None
@@ -114,6 +125,7 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         """The local loop's settings are checked first (before a layer is replaced), then Opacus's
         objections to the model's layers (``fix_model`` replaces them)."""
         self._check_local_loop(ctx.module)
+        self._fixes, self.replaced = [], []
         problems = _opacus().unsupported_layers(model)
         if not problems:
             return model
@@ -139,9 +151,11 @@ class DPSGD(CalibratedNoise, FederatedCallback):
             raise ConfigError("DPSGD.fix_model", True, f"layers remain that Opacus cannot handle: {'; '.join(left)}",
                               "change the model")
         self.replaced = [f"{name}: {type(old).__name__} -> {type(new).__name__}" for name, old, new in fixes]
+        self._fixes = fixes
         if ctx.is_global_zero:
             message = (f"DPSGD(fix_model=True) changed {type(model).__name__} in place: {', '.join(self.replaced)} "
-                       "(the module you passed now has these layers and is the one trained)")
+                       "(the module you passed now has these layers and is the one trained; if the run fails, "
+                       "the layers it had are put back)")
             warnings.warn(message, UserWarning, stacklevel=2)
             if ctx.verbose:
                 print(message, flush=True)
@@ -152,8 +166,9 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         per-record gradients per sampled batch: clip the batch gradient at ``gradient_clip_val``, accumulate
         batches, scale the loss (``16-mixed``), or train with a second DP optimizer (checked on what
         ``configure_optimizers`` returns, at set-up). A ``configure_gradient_clipping`` override runs,
-        with no value to clip at; clipping at a value through ``self.clip_gradients`` is refused at the
-        step that does it, as is a second step on one batch (:class:`KeyedDPOptimizer`)."""
+        with no value to clip at; clipping at a value through ``self.clip_gradients``, an override that
+        clips ``p.grad`` with torch directly, and a second step on one batch are refused at the first step
+        that does it, before the parameters change (:class:`KeyedDPOptimizer`)."""
         loop = module.loop
         require(not loop.gradient_clip_val, "trainer.gradient_clip_val", loop.gradient_clip_val,
                 "DPSGD clips every record's gradient at max_grad_norm and ignores the batch gradient, so local "
@@ -167,6 +182,13 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         module.add_optimizer_rule(_one_optimizer)
 
     def setup(self, *, ctx) -> None:
+        try:
+            self._setup(ctx)
+        except BaseException:
+            self._put_back_layers(ctx)  # a refused set-up leaves the model as it was given
+            raise
+
+    def _setup(self, ctx) -> None:
         require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
                 "set trainer.batch_size (the expected batch size B)")
         self._coverage_checked = False
@@ -179,9 +201,8 @@ class DPSGD(CalibratedNoise, FederatedCallback):
             self.noise_multiplier = ctx.privacy.calibrate(record, self.target_epsilon, self.delta, self.accountant)
 
     def on_fit_start(self, *, ctx) -> None:
+        self._outer_error = sys.exc_info()[1]  # (fit called inside an except block: not this run's failure)
         if ctx.model is not None and self._grad_sample_module is None:
-            # Opacus's full backward hooks fire on outputs when inputs need no gradient: expected here.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             # Hooks on the layers: the module's own training_step computes per-record gradients. Set
             # here, not in setup, so that a run failing during set-up leaves no hooks on the model.
             self._grad_sample_module = _opacus().GradSamples(ctx.model, strict=False, loss_reduction=self.loss_reduction)
@@ -279,3 +300,18 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         if self._grad_sample_module is not None:
             self._grad_sample_module.cleanup()  # remove Opacus hooks and attributes from the model
             self._grad_sample_module = None
+        failing = sys.exc_info()[1]  # on_fit_end runs on the way out of a failed round too
+        if failing is not None and failing is not self._outer_error:
+            self._put_back_layers(ctx)
+        self._fixes = []
+
+    def _put_back_layers(self, ctx) -> None:
+        """After a failed run: the layers ``fix_model`` replaced are put back (on the model's device)."""
+        if not self._fixes or ctx.model is None:
+            return
+        for name, old, _ in reversed(self._fixes):
+            _opacus().put_layer(ctx.model, name, old.to(ctx.device))
+        if ctx.is_global_zero:
+            warnings.warn(f"DPSGD(fix_model=True): the run failed; {type(ctx.model).__name__} has its own layers "
+                          f"back ({', '.join(name for name, _, _ in self._fixes)})", UserWarning, stacklevel=2)
+        self._fixes, self.replaced = [], []

@@ -4,10 +4,13 @@ Opacus's ``DPOptimizer`` with the run's keyed noise. Imported when a DP-SGD run 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from functools import partial
+from typing import Any, Iterator
 
 import torch
 from opacus import GradSampleModule
+from opacus.grad_sample.functorch import prepare_layer
 from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
@@ -34,19 +37,33 @@ def has_params(module: torch.nn.Module) -> bool:
 
 
 class GradSamples(GradSampleModule):
-    """Opacus's ``GradSampleModule`` that hooks each layer once, frozen layers included.
+    """Opacus's ``GradSampleModule`` whose layers are the ones Opacus would hook for the parameters
+    trainable *now*, decided at every forward, each layer once, and whose backward capture is a
+    tensor hook on the layer's output instead of a full backward hook on the layer.
 
-    Opacus walks the module tree by name, so a layer registered under two names (``self.head =
-    self.net[2]``) would be hooked twice, and a layer inside a module whose per-record gradients
-    Opacus takes whole with ``functorch`` (a module with parameters of its own and no grad sampler:
-    children included) would be hooked again where it is registered under another name; both would
-    add its per-record gradients twice. (A parameter shared by two different layers, tied weights, is
-    hooked in each, which adds its own part: right.)
+    Which layers: Opacus's walk (``GradSampleModule.iterate_submodules``) on the parameters trainable
+    at the layer's forward: a layer with a trainable parameter of its own, unless a module containing
+    it takes its per-record gradients whole (``functorch``: a module with a trainable parameter of its
+    own and no grad sampler). Opacus walks once, when it wraps the model, and hooks a layer for both
+    directions; here the model is wrapped once per run, so the walk is re-decided at each forward: a
+    layer frozen at set-up and unfrozen in a later round (gradual unfreezing) gets per-record
+    gradients, and a frozen layer after a trainable one (a LoRA model's frozen head, a frozen
+    eval-mode BatchNorm) is skipped in both directions, as plain Opacus skips it. (Opacus hooked only
+    the trainable layers but once; hooking every layer for the backward failed on a frozen one:
+    ``No activations detected``, or ``This layer has buffers`` for a BatchNorm.)
 
-    Opacus hooks only the layers trainable when it wraps the model; the model is wrapped once per run,
-    so a layer frozen then and unfrozen in a later round (gradual unfreezing) would have no per-record
-    gradients. Every layer with parameters is hooked here: Opacus's hooks skip a layer while none of
-    its parameters needs a gradient, so a frozen layer costs nothing until it is unfrozen."""
+    Each layer once: Opacus walks the module tree by name, so a layer registered under two names
+    (``self.head = self.net[2]``) would be hooked twice, and a layer inside a module taken whole
+    would be hooked again where it is registered under another name; both would add its per-record
+    gradients twice. (A parameter shared by two different layers, tied weights, is hooked in each,
+    which adds its own part: right.)
+
+    The backward: Opacus's full backward hook makes the layer's output a view returned by a custom
+    autograd function, which autograd refuses to modify in place, so a model with an in-place
+    activation or residual after a trainable layer (``nn.ReLU(inplace=True)``, ``out += identity``:
+    torchvision's ResNets) failed at its first step. A hook on the output tensor receives the same
+    gradient (the loss's gradient with respect to the layer's output, as computed before any later
+    in-place change of that tensor), and leaves the output an ordinary tensor."""
 
     def __init__(self, m: torch.nn.Module, **kwargs: Any) -> None:
         super().__init__(m, **kwargs)
@@ -55,26 +72,80 @@ class GradSamples(GradSampleModule):
                 p.grad_sample = None
                 p._forward_counter = 0
 
-    def iterate_submodules(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
-        found = list({id(m): m for m in self._with_params(module)}.values())  # each once, in order
-        whole = [m for m in found if self._takes_children(m)]
-        inside = {id(sub) for m in whole for sub in m.modules() if sub is not m}
-        return [m for m in found if id(m) not in inside]
-
-    def _with_params(self, module: torch.nn.Module) -> Iterable[torch.nn.Module]:
-        """Opacus's walk (``GradSampleModule.iterate_submodules``) over layers with parameters, trainable
-        or not."""
-        if has_params(module):
-            yield module
-        if self._takes_children(module):
-            return
-        for child in module.children():
-            yield from self._with_params(child)
+    def add_hooks(self, *, loss_reduction: str = "mean", batch_first: bool = True,
+                  force_functorch: bool = False) -> None:
+        """A forward hook on every layer with parameters (each once), which captures the layer's input
+        and hooks its output when the layer is one Opacus's walk would hook now (see the class
+        docstring; ``force_functorch`` is not used). Opacus's ``remove_hooks`` removes them."""
+        if hasattr(self._module, "autograd_grad_sample_hooks"):
+            raise ValueError("Trying to add hooks twice to the same model")
+        self.autograd_grad_sample_hooks = self._module.autograd_grad_sample_hooks = []
+        layers = list({id(m): m for m in self._module.modules() if has_params(m)}.values())
+        whole = [m for m in layers if self._takes_children(m)]
+        for layer in layers:
+            if type(layer) in (DPRNN, DPLSTM, DPGRU):  # their RNNLinear cells are hooked
+                continue
+            containers = tuple(w for w in whole if w is not layer and any(sub is layer for sub in w.modules()))
+            self.autograd_grad_sample_hooks.append(layer.register_forward_hook(_LayerHook(self, layer, containers)))
+        self.enable_hooks()
 
     def _takes_children(self, module: torch.nn.Module) -> bool:
-        """Opacus's rule for a module it does not recurse into (its per-record gradients come whole)."""
+        """Opacus's rule for a module whose per-record gradients come whole (``functorch``), children
+        included, while it has a trainable parameter of its own."""
         return has_params(module) and type(module) not in self.GRAD_SAMPLERS \
             and type(module) not in (DPRNN, DPLSTM, DPGRU)
+
+    def capture(self, layer: torch.nn.Module, inputs: Any, output: Any, containers: tuple[torch.nn.Module, ...]) -> None:
+        """After a forward of ``layer``: its input kept and its output hooked, if Opacus's walk would
+        hook it now."""
+        if not (self.hooks_enabled and layer.training and torch.is_grad_enabled() and has_trainable_params(layer)):
+            return
+        if any(has_trainable_params(w) for w in containers):
+            return  # taken whole by a trainable module around it
+        out = _first_tensor(output)  # (the one whose gradient Opacus's full backward hook passes on)
+        if out is None or not out.requires_grad:
+            return  # no gradient will reach the layer's parameters through this call
+        if type(layer) not in self.GRAD_SAMPLERS and not hasattr(layer, "ft_compute_sample_grad"):
+            prepare_layer(layer, batch_first=self.batch_first)  # (Opacus does it when it wraps a trainable layer)
+        self.capture_activations_hook(layer, inputs, output)
+        out.register_hook(partial(self._backprops, layer))
+
+    def _backprops(self, layer: torch.nn.Module, grad: torch.Tensor) -> None:
+        """The loss's gradient with respect to one call's output of ``layer``: Opacus's backward capture."""
+        self.capture_backprops_hook(layer, (), (grad,), loss_reduction=self.loss_reduction,
+                                    batch_first=self.batch_first)
+
+    def cleanup(self) -> None:
+        """Opacus's cleanup, and what its hooks leave on every layer (not only the trainable ones)."""
+        super().cleanup()
+        for m in self._module.modules():
+            for attr in ("activations", "max_batch_len", "ft_compute_sample_grad"):
+                if attr in m.__dict__:
+                    delattr(m, attr)
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if isinstance(t, torch.Tensor)), None)
+    return None
+
+
+class _LayerHook:
+    """The forward hook :class:`GradSamples` puts on one layer. Opacus's ``functorch`` path re-runs a
+    deep copy of a layer taken whole, hooks included: the copy shares this hook (no copy of the
+    model behind it), which does nothing for it."""
+
+    def __init__(self, grad_samples: GradSamples, layer: torch.nn.Module, containers: tuple[torch.nn.Module, ...]):
+        self.grad_samples, self.layer, self.containers = grad_samples, layer, containers
+
+    def __call__(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if module is self.layer:
+            self.grad_samples.capture(module, inputs, output, self.containers)
+
+    def __deepcopy__(self, memo: dict) -> _LayerHook:
+        return self
 
 
 def layer_fixes(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
@@ -142,6 +213,25 @@ class KeyedDPOptimizer(DPOptimizer):
         raise ConfigError("gradient clipping", clip_val, "DP-SGD clips every record's gradient at max_grad_norm and "
                           "ignores the batch gradient, so clipping it has no effect",
                           "remove the clipping (DPSGD(max_grad_norm=...) is the bound)")
+
+    @contextlib.contextmanager
+    def gradient_clipping(self) -> Iterator[None]:
+        """Around the module's ``configure_gradient_clipping`` override: one that changes the batch
+        gradient itself (``torch.nn.utils.clip_grad_norm_`` on ``p.grad``) is refused, as
+        ``self.clip_gradients`` at a value is. DP-SGD's step is the sum of the clipped per-record
+        gradients plus noise, which replaces ``p.grad``: the change would have no effect. (A change is
+        an in-place write to, or a new, ``p.grad`` of a trainable parameter: torch's clipping writes
+        even when no norm exceeds the bound, so the refusal comes at the first step.)"""
+        before = self._gradient_marks()
+        yield
+        if self._gradient_marks() != before:
+            raise ConfigError("model.configure_gradient_clipping", "changes p.grad", "DP-SGD clips every record's "
+                              "gradient at max_grad_norm and its noisy sum replaces p.grad, so clipping the batch "
+                              "gradient would have no effect", "remove the clipping from configure_gradient_clipping "
+                              "(DPSGD(max_grad_norm=...) is the per-record bound)")
+
+    def _gradient_marks(self) -> list[tuple[int, int] | None]:
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self.params]
 
     @property
     def accumulated_iterations(self) -> int:

@@ -18,8 +18,9 @@ import sys
 import tempfile
 
 
-def fit(placement: str, rounds: int):
-    """The DP-FedAvg run of this benchmark (every rank of the launch calls it): ``(trainer, module)``."""
+def fit(placement: str, rounds: int, communicator: str = "auto"):
+    """The DP-FedAvg run of this benchmark (every rank of the launch calls it): ``(trainer, module)``.
+    ``communicator="local"`` runs it on the calling rank alone (one rank's reference inside a launch)."""
     from dpfl_lightning import FederatedTrainer
     from dpfl_lightning.data import SyntheticLogistic
     from dpfl_lightning.models import MLPClassifier
@@ -30,6 +31,7 @@ def fit(placement: str, rounds: int):
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as log_dir:
         trainer = FederatedTrainer(rounds=rounds, clients_per_round=24, batch_size=10, seed=7, num_threads=1,
+                                   communicator=communicator,
                                    plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0, placement=placement),
                                             ServerOptimizer("sgd", lr=1.0, momentum=0.5)],
                                    eval_every=rounds, log_dir=log_dir, enable_progress_bar=False, enable_summary=False)

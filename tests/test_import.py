@@ -2,15 +2,22 @@
 may need (they load when it does), in a fresh interpreter each."""
 
 import json
+import os
 import subprocess
 import sys
 
 HEAVY = ("opacus", "scipy", "matplotlib", "dp_accounting", "wandb", "torch", "lightning")
+# What is measured is which modules a probe loads, never how long it takes: the timeout only ends a
+# hung probe, so it is far above the slowest probe on a loaded machine (the probes that import torch,
+# Lightning and Opacus took 70-74 s each on 2 cores at a load average of 8).
+TIMEOUT_S = 900
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
 def _loaded_after(code: str) -> list[str]:
     probe = f"{code}\nimport sys, json\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     return sorted(m for m in HEAVY if m in loaded)
 

@@ -7,7 +7,9 @@ bundled data source, or one built from a LightningDataModule) as a ``LightningDa
 
 A run directory (``runs/quickstart`` or ``runs/quickstart/version_0``) names both what to build
 (the ``config.yaml`` every ``dpfl fit`` saves next to its ``metrics.csv``) and the weights (the
-run's ``checkpoints/final.ckpt``, else ``last.ckpt``): :func:`resolve_run` finds them.
+version's ``checkpoints/final.ckpt``, else ``last.ckpt``; ``runs/quickstart``: its newest version
+that has both): :func:`resolve_run` finds them. :func:`run_lightning_stage` is also what
+``FederatedTrainer.validate | test | predict`` run.
 :func:`load_weights` loads a checkpoint's ``state_dict`` (a ``final.ckpt``, or the run's own
 checkpoints) into the model, as ``MyModule.load_from_checkpoint`` would.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import lightning
 import torch
 
+from dpfl_lightning import run_files
 from dpfl_lightning.errors import ConfigError, require
 
 CONFIG_FILE = "config.yaml"
@@ -95,31 +98,37 @@ class EvaluationData(lightning.LightningDataModule):
 
 # ---------------------------------------------------------------------------------------- run files
 def _versions(directory: str) -> list[str]:
-    found = [d for d in os.listdir(directory) if re.fullmatch(r"version_\d+", d)
-             and os.path.isfile(os.path.join(directory, d, CONFIG_FILE))]
-    return [os.path.join(directory, d) for d in sorted(found, key=lambda d: int(d.split("_")[1]))]
+    """The ``version_N`` directories of a run root that hold a ``config.yaml``, oldest first."""
+    return [d for d in (os.path.join(directory, f"version_{n}") for n in run_files.versions(directory))
+            if os.path.isfile(os.path.join(d, CONFIG_FILE))]
 
 
 def run_directory(path: str) -> str | None:
     """The run directory ``path`` names: itself when it holds ``config.yaml``, else its newest
-    ``version_N`` that does; for a checkpoint file, the newest run beside its ``checkpoints/``."""
+    ``version_N`` that does and has a checkpoint (else its newest that does); for a checkpoint file,
+    the version whose ``checkpoints/`` holds it (a checkpoint in an older run's shared
+    ``<run>/checkpoints``: that run's newest version)."""
     if os.path.isfile(path):
-        path = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # <run>/checkpoints/x.ckpt -> <run>
+        path = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # <run>/version_N/checkpoints/x.ckpt -> version_N
     if not os.path.isdir(path):
         return None
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
         return path
     versions = _versions(path)
-    return versions[-1] if versions else None
+    with_checkpoint = [v for v in versions if run_checkpoint(v) is not None]
+    return (with_checkpoint or versions or [None])[-1]
 
 
 def run_checkpoint(run_dir: str, checkpoint_dir: str | None = None) -> str | None:
     """``final.ckpt``, else ``last.ckpt``, of the run in ``run_dir`` (in ``checkpoint_dir`` when
-    the run set one, else in ``checkpoints/`` beside its ``version_N``)."""
-    parent = os.path.dirname(os.path.abspath(run_dir)) if re.fullmatch(r"version_\d+", os.path.basename(
-        os.path.abspath(run_dir))) else os.path.abspath(run_dir)
-    for directory in filter(None, (checkpoint_dir, os.path.join(parent, "checkpoints"))):
-        for name in ("final.ckpt", "last.ckpt"):
+    the run set one, else in the version's ``checkpoints/``, else in the shared ``checkpoints/``
+    beside its ``version_N`` where runs kept them before checkpoints were per version)."""
+    run_dir = os.path.abspath(run_dir)
+    places = [checkpoint_dir, os.path.join(run_dir, run_files.CHECKPOINTS)]
+    if re.fullmatch(r"version_\d+", os.path.basename(run_dir)):
+        places.append(os.path.join(os.path.dirname(run_dir), run_files.CHECKPOINTS))
+    for directory in filter(None, places):
+        for name in (run_files.FINAL, run_files.LAST):
             if os.path.isfile(os.path.join(directory, name)):
                 return os.path.join(directory, name)
     return None
@@ -151,9 +160,9 @@ def rewrite_arguments(argv: list[str]) -> list[str]:
     config, checkpoint = resolve_run(path)
     if os.path.isdir(path):
         if checkpoint is None:
-            raise ConfigError("--ckpt_path", path, "holds no run with a checkpoint (final.ckpt or last.ckpt beside "
-                              "a version_N with config.yaml)", "fit with trainer.final_checkpoint: true, or pass the "
-                              "checkpoint file and --config")
+            raise ConfigError("--ckpt_path", path, "holds no run with a checkpoint (final.ckpt or last.ckpt in a "
+                              "version_N/checkpoints beside its config.yaml)", "fit with trainer.final_checkpoint: "
+                              "true, or pass the checkpoint file and --config")
         if value_at is not None:
             args[value_at] = checkpoint
         else:
@@ -165,14 +174,15 @@ def rewrite_arguments(argv: list[str]) -> list[str]:
 
 
 def default_checkpoint(trainer: Any) -> str:
-    """The checkpoint a fit with this configuration left: ``final.ckpt``, else ``last.ckpt``."""
-    for name in ("final.ckpt", "last.ckpt"):
-        path = os.path.join(trainer.checkpoint_dir, name)
-        if os.path.isfile(path):
-            return path
-    raise ConfigError("--ckpt_path", None, f"not given, and the configuration's run left no checkpoint in "
-                      f"{trainer.checkpoint_dir}", "pass --ckpt_path (a checkpoint file or a run directory such as "
-                      "runs/quickstart), or fit first")
+    """The checkpoint the newest fit with this configuration left: ``final.ckpt``, else ``last.ckpt``
+    (in ``trainer.checkpoint_dir`` if set, else in the run's newest version that has one)."""
+    root = run_files.run_root(trainer.log_dir, trainer.run_name)
+    found = run_files.newest_checkpoint(root, (run_files.FINAL, run_files.LAST), trainer.settings.checkpoint_dir)
+    if found is None:
+        where = trainer.settings.checkpoint_dir or os.path.join(root, "version_*", run_files.CHECKPOINTS)
+        raise ConfigError("--ckpt_path", None, f"not given, and the configuration's run left no checkpoint in {where}",
+                          "pass --ckpt_path (a checkpoint file or a run directory such as runs/quickstart), or fit first")
+    return found
 
 
 def load_weights(model: torch.nn.Module, path: str) -> dict[str, Any]:
@@ -218,6 +228,18 @@ def _quiet_lightning():
 def evaluate(stage: str, model: Any, data: Any, ckpt_path: str, accelerator: str = "auto") -> Any:
     """Run ``lightning.Trainer.<stage>`` (validate, test or predict) on the global model of
     ``ckpt_path``; returns Lightning's result (metrics, or the predictions)."""
+    return run_lightning_stage(stage, model, datamodule=data, ckpt_path=ckpt_path, accelerator=accelerator)
+
+
+def run_lightning_stage(stage: str, model: Any, *, datamodule: Any = None, dataloaders: Any = None,
+                        ckpt_path: str | None = None, accelerator: str = "auto", verbose: bool = True,
+                        progress_bar: bool = False, return_predictions: bool | None = None) -> Any:
+    """``lightning.Trainer(...).<stage>(model, dataloaders, datamodule=...)`` (validate, test or
+    predict) on one device, without a logger or checkpoints, after loading ``ckpt_path``'s weights
+    (if given) into ``model``. A :class:`FederatedDataModule` (as ``datamodule`` or ``dataloaders``)
+    gives its global sets (:class:`EvaluationData`); other data goes to Lightning as it is. Returns
+    Lightning's result: one dict of metrics per dataloader, or the ``predict_step`` outputs."""
+    from dpfl_lightning.data.module import FederatedDataModule
     from dpfl_lightning.module import is_overridden
 
     require(stage in STAGES, "stage", stage, "unknown stage", f"use one of {', '.join(STAGES)}")
@@ -225,13 +247,18 @@ def evaluate(stage: str, model: Any, data: Any, ckpt_path: str, accelerator: str
     if stage != "predict":
         require(is_overridden(model, step), "model", type(model).__name__, f"defines no {step}",
                 f"define {step}" + (", or use dpfl validate" if stage == "test" else ""))
-    load_weights(model, ckpt_path)
+    if isinstance(dataloaders, FederatedDataModule) and datamodule is None:
+        dataloaders, datamodule = None, dataloaders
+    if isinstance(datamodule, FederatedDataModule):
+        datamodule = EvaluationData(datamodule, predict_inputs_only=not is_overridden(model, "predict_step"))
+    if ckpt_path is not None:
+        load_weights(model, ckpt_path)
     accelerator = {"cuda": "gpu"}.get(accelerator, accelerator)
+    options = {"verbose": verbose} if stage != "predict" else {"return_predictions": return_predictions}
     with _quiet_lightning():
         trainer = lightning.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-                                    enable_model_summary=False, enable_progress_bar=False)
-        dm = EvaluationData(data, predict_inputs_only=not is_overridden(model, "predict_step"))
-        return getattr(trainer, stage)(model, datamodule=dm)
+                                    enable_model_summary=False, enable_progress_bar=progress_bar)
+        return getattr(trainer, stage)(model, dataloaders=dataloaders, datamodule=datamodule, **options)
 
 
 def save_predictions(predictions: Any, ckpt_path: str, out: str | None) -> str:

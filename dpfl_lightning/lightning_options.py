@@ -67,7 +67,7 @@ def unknown_argument(name: str, value: Any, accepted: Iterable[str], owner: str 
                                       "counterpart in a federated run)", f"leave it out; {owner}'s arguments are "
                                       f"listed in help({owner})")
     near = difflib.get_close_matches(name, list(accepted), n=1, cutoff=0.6)
-    fix = f"did you mean {near[0]}?" if near else f"see help({owner}) for its arguments"
+    fix = f"the closest argument is {near[0]}" if near else f"see help({owner}) for its arguments"
     return UnknownTrainerArgument(setting, value, f"{owner} takes no argument {name}", fix)
 
 

@@ -1,5 +1,12 @@
-"""Reading what runs left on disk (``<run>/version_N/metrics.csv`` and ``hparams.yaml``), and the short
-names of configuration keys: shared by ``dpfl sweep`` and ``dpfl report``."""
+"""What runs leave on disk, and reading it back: shared by ``fit``, ``dpfl validate | test | predict``,
+``dpfl sweep`` and ``dpfl report``, and the short names of configuration keys.
+
+A run named ``<run_name>`` under ``<log_dir>`` (its *root*, ``<log_dir>/<run_name>``) writes one
+``version_N`` per fit, as Lightning's loggers do: ``metrics.csv``, ``hparams.yaml``, the CLI's
+``config.yaml`` and ``checkpoints/`` (``round-XXXXXX.ckpt``, ``last.ckpt``, ``final.ckpt``), so a
+second fit of the same name keeps the first one's files. A resumed fit continues the version of the
+checkpoint it resumes. Runs written before checkpoints were per version kept them in
+``<root>/checkpoints``; that place is still read (as older than every version)."""
 
 from __future__ import annotations
 
@@ -9,6 +16,10 @@ import os
 import re
 
 import yaml
+
+CHECKPOINTS = "checkpoints"
+LAST, FINAL = "last.ckpt", "final.ckpt"
+_VERSION = re.compile(r"version_(\d+)")
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:
@@ -78,3 +89,60 @@ def short_keys(keys: list[str]) -> dict[str, str]:
         else:
             out[k] = k
     return out
+
+
+# ---------------------------------------------------------------------------------------- run layout
+def run_root(log_dir: str, run_name: str) -> str:
+    """``<log_dir>/<run_name>``: where every version of the run lives."""
+    return os.path.join(log_dir, run_name)
+
+
+def versions(root: str) -> list[int]:
+    """The ``N`` of every ``<root>/version_N`` directory, in increasing order."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_VERSION.fullmatch, os.listdir(root))
+                  if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def version_checkpoint_dir(root: str, version: int) -> str:
+    """``<root>/version_N/checkpoints``: where version ``N`` writes its checkpoints."""
+    return os.path.join(root, f"version_{version}", CHECKPOINTS)
+
+
+def claim_version(root: str) -> int:
+    """A new version of the run: the next ``N`` after every existing ``version_N`` (as Lightning's
+    loggers count), its directory created here with ``os.mkdir``, which fails when another process
+    took that ``N`` first; then the next one is tried. Two fits of one name never share a version."""
+    os.makedirs(root, exist_ok=True)
+    n = (versions(root) or [-1])[-1] + 1
+    while True:
+        try:
+            os.mkdir(os.path.join(root, f"version_{n}"))
+            return n
+        except FileExistsError:
+            n += 1
+
+
+def checkpoint_version(path: str, root: str) -> int | None:
+    """``N`` when the checkpoint ``path`` lies in ``<root>/version_N/checkpoints``, else ``None``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    m = _VERSION.fullmatch(os.path.basename(os.path.dirname(directory)))
+    if os.path.basename(directory) != CHECKPOINTS or m is None or not os.path.isdir(root):
+        return None
+    return int(m.group(1)) if os.path.samefile(os.path.dirname(os.path.dirname(directory)), root) else None
+
+
+def newest_checkpoint(root: str, names: tuple[str, ...] = (LAST,), checkpoint_dir: str | None = None) -> str | None:
+    """The first of ``names`` in ``checkpoint_dir`` when the run set one; else in the newest
+    ``<root>/version_N/checkpoints`` that holds one of them, else in the shared ``<root>/checkpoints``
+    of runs written before checkpoints were per version; ``None`` if there is none."""
+    if checkpoint_dir is not None:
+        places = [checkpoint_dir]
+    else:
+        places = [version_checkpoint_dir(root, n) for n in reversed(versions(root))] + [os.path.join(root, CHECKPOINTS)]
+    for directory in places:
+        for name in names:
+            if os.path.isfile(os.path.join(directory, name)):
+                return os.path.join(directory, name)
+    return None

@@ -5,7 +5,6 @@ settings it needs from here; none of them sees the trainer."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +87,18 @@ def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:  # noqa: C901 -
 
 
 EXECUTOR_NAMES = ("sequential", "vmap")
+_OBJECTS = ("plugins", "loggers", "algorithm", "callbacks")  # arguments that are objects, not settings
+
+
+def trainer_arguments(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """From ``FederatedTrainer.__init__``'s ``locals()``: its settings (the arguments that are not
+    objects), and its ``hparams`` (the settings, with the objects by name)."""
+    args = {k: v for k, v in arguments.items() if k != "self" and k not in _OBJECTS}
+    plugins, algorithm, callbacks = arguments["plugins"], arguments["algorithm"], arguments["callbacks"]
+    hparams = dict(args, plugins=[repr(p) for p in plugins or []],
+                   algorithm=repr(algorithm) if algorithm is not None else None,
+                   callbacks=[type(c).__name__ for c in callbacks or []])
+    return args, hparams
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,8 @@ class TrainerSettings:
         s["normalize_update_by_lr"] = bool(s["normalize_update_by_lr"]
                                            or getattr(algorithm, "normalize_update_by_lr", False))
         s["run_name"] = s["run_name"] or (getattr(algorithm, "name", None) or "dpfl")
-        s["checkpoint_dir"] = s["checkpoint_dir"] or os.path.join(s["log_dir"], s["run_name"], "checkpoints")
+        # checkpoint_dir stays None unless set: each fit then writes <log_dir>/<run_name>/version_N/checkpoints,
+        # N known once the fit starts (dpfl_lightning.run.checkpoints.open_version)
         return cls(**{f.name: s[f.name] for f in dataclasses.fields(cls)})
 
     @classmethod

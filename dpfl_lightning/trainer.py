@@ -12,7 +12,6 @@ models for the same seed and threads per rank.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
@@ -27,26 +26,30 @@ from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, make_communicator
 from dpfl_lightning.contexts import ServerContext
 from dpfl_lightning.data.module import FederatedDataModule
-from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.errors import require
 from dpfl_lightning.executor import EXECUTORS, Executor
+from dpfl_lightning.lightning_options import refuse_unknown_arguments
 from dpfl_lightning.lightning_compat import LightningRun
 from dpfl_lightning.loggers import RoundProgress
-from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
+from dpfl_lightning.module import FederatedLightningModule
 from dpfl_lightning.plan import RoundPlan
 from dpfl_lightning.plugins.base import FederatedCallback
 from dpfl_lightning.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, report_fit_failure
 from dpfl_lightning.reproducibility import python_config, warn_if_unseeded
-from dpfl_lightning.run.checkpoints import RunCheckpoints, checkpoint_to_resume, write_lightning_checkpoint
+from dpfl_lightning.run.checkpoints import (RunCheckpoints, checkpoint_to_resume, open_version, planned_checkpoint_dir,
+                                            write_lightning_checkpoint)
 from dpfl_lightning.run.client_phase import ClientPhase
 from dpfl_lightning.run.client_states import ClientStates
 from dpfl_lightning.run.evaluation import RoundEvaluation
 from dpfl_lightning.run.hooks import HookTable
+from dpfl_lightning.run.memory import frozen_heap
 from dpfl_lightning.run.reporting import open_loggers, print_run_summary, round_progress
 from dpfl_lightning.run.round_row import RoundRow
 from dpfl_lightning.run.server_phase import ServerPhase
-from dpfl_lightning.run.setup import RunSetup, build_run, collect_mechanisms
+from dpfl_lightning.run.setup import RunSetup, build_run
+from dpfl_lightning.run.stages import fit_inputs, run_stage
 from dpfl_lightning.run.status import RunStatus
-from dpfl_lightning.settings import TrainerSettings
+from dpfl_lightning.settings import TrainerSettings, trainer_arguments
 
 
 class FederatedTrainer:
@@ -83,11 +86,12 @@ class FederatedTrainer:
         deterministic: ``torch.use_deterministic_algorithms(True)`` (for CUDA kernels).
         on_nonfinite: ``raise`` (stop; nothing of the round is applied) or ``skip`` (the client's
             update counts as zero, and the round goes on).
-        log_dir / run_name: where the CSV log (and checkpoints) go.
+        log_dir / run_name: every fit writes a new ``<log_dir>/<run_name>/version_N`` (its CSV log and
+            checkpoints); a resumed fit continues the version of its checkpoint.
         loggers: extra Lightning loggers, e.g. :class:`~dpfl_lightning.loggers.WandbLogger`.
         enable_progress_bar / enable_summary: the console progress bar and end-of-run table.
         checkpoint_every: write a checkpoint every this many rounds (and after the last); ``None``: never.
-        checkpoint_dir: default ``<log_dir>/<run_name>/checkpoints``.
+        checkpoint_dir: default: the fit's ``<log_dir>/<run_name>/version_N/checkpoints``.
         executor: ``sequential`` (every hook, any module) or ``vmap`` (clients of a rank trained
             together with ``torch.func.vmap``; see :class:`~dpfl_lightning.executor.VmapExecutor`).
         log_client_metrics: release statistics computed from client data without noise (the
@@ -115,6 +119,7 @@ class FederatedTrainer:
     written down in :mod:`dpfl_lightning.lightning_compat`.
     """
 
+    @refuse_unknown_arguments  # lightning.Trainer's max_epochs, devices, ...: their counterpart, not a bare TypeError
     def __init__(
         self,
         rounds: int = 10,
@@ -156,10 +161,7 @@ class FederatedTrainer:
         final_checkpoint: bool = False,
         test_after_fit: bool = False,
     ) -> None:
-        args = {k: v for k, v in locals().items() if k not in ("self", "plugins", "loggers", "algorithm", "callbacks")}
-        self.hparams = dict(args, plugins=[repr(p) for p in plugins or []],
-                            algorithm=repr(algorithm) if algorithm is not None else None,
-                            callbacks=[type(c).__name__ for c in callbacks or []])
+        args, self.hparams = trainer_arguments(locals())
         self.settings = TrainerSettings.build(args, algorithm)
         self.algorithm = algorithm
         self.extra_loggers = list(loggers or [])
@@ -212,12 +214,9 @@ class FederatedTrainer:
     client_states = property(lambda self: self._states.by_client if self._states is not None else {},
                              doc="This rank's per-client states by client id (control variates).")
     final_metrics = property(lambda self: dict(self.history[-1]) if self.history else {})
-
-    @property
-    def csv_log_dir(self) -> str:
-        if self.status.csv_log_dir is None:  # ranks other than 0 write no log
-            raise AttributeError("csv_log_dir: this rank wrote no CSV log")
-        return self.status.csv_log_dir
+    checkpoint_dir = property(lambda self: self.status.checkpoint_dir or planned_checkpoint_dir(self.settings),
+                              doc="Where the fit's checkpoints go (``checkpoint_dir``, else its ``version_N/checkpoints``).")
+    csv_log_dir = property(lambda self: self.status.written_csv_log_dir(), doc="Rank 0's ``version_N`` directory.")
 
     def client_state(self, client: int) -> dict[str, Any]:
         """Per-client state (e.g. control variates), kept by the owning rank, checkpointed by id."""
@@ -243,23 +242,17 @@ class FederatedTrainer:
         newest checkpoint, if there is one); returns the module, whose wrapped LightningModule then
         holds the final global model. On ``SIGTERM``, ``SIGUSR1`` or Ctrl-C the run stops after the
         round with a checkpoint and raises :class:`~dpfl_lightning.preemption.Preempted`."""
-        if not isinstance(module, FederatedLightningModule):
-            if not is_lightning_module(module):
-                raise ConfigError("module", type(module).__name__, "is not a LightningModule",
-                                  "wrap it: FederatedLightningModule(model, loss_fn=...)")
-            module = FederatedLightningModule(module)
-        require(isinstance(data, FederatedDataModule), "data", type(data).__name__, "is not a FederatedDataModule",
-                "wrap it: FederatedDataModule.from_datamodule(dm, num_clients=...)")
+        module = fit_inputs(module, data)
         if self.comm is None:
             self.comm = make_communicator(self.settings.communicator, "cuda" if self.settings.wants_cuda() else "cpu")
-        ckpt_path = checkpoint_to_resume(ckpt_path, self.settings, self.is_global_zero)
+        ckpt_path = checkpoint_to_resume(ckpt_path, self.settings, self.comm)
         state = ckpt.load(ckpt_path) if ckpt_path else None
         if state is None and self.is_global_zero:
             warn_if_unseeded(self.seed)  # the user built the model: its weights are not ours to reset
         lightning_run = LightningRun(self.settings, module, data, self.callbacks, self.save_lightning_checkpoint)
         try:  # teardown, also after a failed set-up or round: the user's module is left clean
             with SignalWatch(announce=self.is_global_zero) as signals:
-                self._fit(module, data, state, lightning_run, signals)
+                self._fit(module, data, ckpt_path, state, lightning_run, signals)
         except BaseException as exc:
             report_fit_failure(exc, self.comm, self.checkpoint_dir)
             lightning_run.teardown(exc)
@@ -289,34 +282,23 @@ class FederatedTrainer:
         self._checkpoints = RunCheckpoints(s, comm, module, data, self.plugins, run.sampler, lightning_run,
                                            self._states, self.status, self._run_config)
 
-    def _fit(self, module: FederatedLightningModule, data: FederatedDataModule, state: dict[str, Any] | None,
-             lightning_run: LightningRun, signals: SignalWatch) -> None:
+    def _fit(self, module: FederatedLightningModule, data: FederatedDataModule, ckpt_path: str | None,
+             state: dict[str, Any] | None, lightning_run: LightningRun, signals: SignalWatch) -> None:
         self._build(module, data, lightning_run)
         run = self.run
-        start = 0
-        if state is not None:
-            start = self._checkpoints.restore(state, run.device)
-            if run.ledger is not None:  # restored plugins (calibrated noise) are in force now
-                collect_mechanisms(self.plugins, run.ctx)
-                run.ledger.setup(ctx=run.ctx)
+        start = self._checkpoints.restore(state, run) if state is not None else 0
+        open_version(self.settings, self.comm, self.status, ckpt_path, state)  # the run's version_N (every rank)
         loggers = open_loggers(self.settings, self.extra_loggers, run, self.status, self._run_config(),
                                start if state is not None else None) if self.is_global_zero else []
         progress = round_progress(self.settings, run, start, self.is_global_zero, signals)  # (epsilon notes)
         self.call_hook("on_fit_start", ctx=run.ctx)
         run.print_privacy_statement(self.is_global_zero and self.enable_summary)
-        # Everything set up so far (torch, Lightning, the data, the module: ~4e5 objects) lives for the
-        # whole run; frozen, Python's cyclic GC no longer walks it, where a full collection paused a
-        # rank for ~0.2 s (every ~100 vmap rounds on W1; under MPI every rank's pause stalls the round)
-        freeze = gc.isenabled() and gc.get_freeze_count() == 0  # leave a user's own GC settings alone
-        if freeze:  # (without a collection first: one costs ~0.2 s; what is garbage now waits for the end)
-            gc.freeze()
         try:
-            lightning_run.fit_start(loggers, start)
-            self._rounds(start, loggers, progress, lightning_run, signals)
-            lightning_run.train_end()
+            with frozen_heap():  # what is set up by now lives for the whole run: the GC need not walk it
+                lightning_run.fit_start(loggers, start)
+                self._rounds(start, loggers, progress, lightning_run, signals)
+                lightning_run.train_end()
         finally:
-            if freeze:
-                gc.unfreeze()
             progress.close()
             module.load_global()  # on failure too: the module shows the global model, not a client's
             self.call_hook("on_fit_end", ctx=run.ctx)
@@ -326,6 +308,26 @@ class FederatedTrainer:
             self.save_lightning_checkpoint(os.path.join(self.checkpoint_dir, "final.ckpt"))
         if self.enable_summary and self.is_global_zero:
             print_run_summary(self.settings, run, self.status, data.num_clients, self.world_size)
+
+    # ------------------------------------------------------------------ validate, test, predict
+    def validate(self, model: Any = None, dataloaders: Any = None, ckpt_path: str | None = None, verbose: bool = True,
+                 datamodule: Any = None) -> list[dict[str, float]]:
+        """``lightning.Trainer.validate``: one dict of metrics per dataloader (see :mod:`dpfl_lightning.run.stages`)."""
+        return self._stage("validate", model, dataloaders, datamodule, ckpt_path, verbose=verbose)
+
+    def test(self, model: Any = None, dataloaders: Any = None, ckpt_path: str | None = None, verbose: bool = True,
+             datamodule: Any = None) -> list[dict[str, float]]:
+        """``lightning.Trainer.test``: as :meth:`validate`, with the module's ``test_step`` on the test set."""
+        return self._stage("test", model, dataloaders, datamodule, ckpt_path, verbose=verbose)
+
+    def predict(self, model: Any = None, dataloaders: Any = None, datamodule: Any = None,
+                return_predictions: bool | None = None, ckpt_path: str | None = None) -> Any:
+        """``lightning.Trainer.predict``: the list of the module's ``predict_step`` outputs (see :meth:`validate`)."""
+        return self._stage("predict", model, dataloaders, datamodule, ckpt_path, return_predictions=return_predictions)
+
+    def _stage(self, stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any, **kw: Any) -> Any:
+        return run_stage(stage, model, dataloaders, datamodule, ckpt_path, settings=self.settings, fitted=self.module,
+                         data=self.data, checkpoint_dir=self.checkpoint_dir, callbacks=self.callbacks, rank=self.rank, **kw)
 
     # ------------------------------------------------------------------ the round loop
     def _rounds(self, start: int, loggers: list[Any], progress: RoundProgress, lightning_run: LightningRun,
@@ -395,6 +397,4 @@ class FederatedTrainer:
         """Write the global model as a Lightning checkpoint that ``MyModule.load_from_checkpoint(path)``
         loads (rank 0 writes; every rank must call this). ``epoch`` defaults to the rounds done and
         ``global_step`` to the reference client's steps by then (see :mod:`dpfl_lightning.export`)."""
-        require(self.module is not None, "save_lightning_checkpoint", path, "there is no trained model yet",
-                "call it after fit (or set final_checkpoint=True)")
         return write_lightning_checkpoint(self.module, self.data, self.comm, path, self.history, epoch, global_step)

@@ -1,6 +1,7 @@
 """Checkpoints: written atomically, and a resumed run ends exactly where an uninterrupted one does."""
 
 import glob
+import hashlib
 import os
 
 import pytest
@@ -8,8 +9,10 @@ import torch
 
 from dpfl_lightning import ConfigError
 from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning import run_files
 from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.run_files import read_metrics
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 
@@ -140,3 +143,78 @@ def test_two_stateful_plugins_of_one_class_need_distinct_keys(tmp_path):
     trainer = quiet_trainer(str(tmp_path), rounds=1, clients_per_round=2, plugins=[Counter(), Counter()])
     with pytest.raises(ConfigError, match="state_key"):
         trainer.fit(TinyClassifier(), tiny_data())
+
+
+# ---------------------------------------------------------------------------------------- one version per fit
+def _hash(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _versioned(log_dir, rounds, **kw):
+    return quiet_trainer(log_dir, rounds=rounds, clients_per_round=3, run_name="run", checkpoint_every=1, **kw)
+
+
+def test_a_second_run_of_the_same_name_keeps_the_first_runs_checkpoints(tmp_path):
+    first = _versioned(str(tmp_path), 2, final_checkpoint=True)
+    first.fit(TinyClassifier(), tiny_data())
+    v0 = str(tmp_path / "run" / "version_0" / "checkpoints")
+    assert first.checkpoint_dir == v0 and first.csv_log_dir == os.path.dirname(v0)
+    kept = {name: _hash(os.path.join(v0, name)) for name in os.listdir(v0)}
+    assert set(kept) == {"round-000001.ckpt", "round-000002.ckpt", "last.ckpt", "final.ckpt"}
+
+    second = _versioned(str(tmp_path), 3, final_checkpoint=True)
+    second.fit(TinyClassifier(seed=4), tiny_data())
+    assert second.checkpoint_dir == str(tmp_path / "run" / "version_1" / "checkpoints")
+    assert {name: _hash(os.path.join(v0, name)) for name in os.listdir(v0)} == kept  # untouched
+    assert ckpt.load(os.path.join(second.checkpoint_dir, "last.ckpt"))["round"] == 3
+    assert _hash(os.path.join(second.checkpoint_dir, "final.ckpt")) != kept["final.ckpt"]
+
+
+def test_resume_last_continues_the_newest_version_in_place(tmp_path):
+    ref = _versioned(str(tmp_path / "ref"), 4).fit(TinyClassifier(), tiny_data())
+    _versioned(str(tmp_path), 3).fit(TinyClassifier(), tiny_data())  # version_0: 3 rounds
+    _versioned(str(tmp_path), 2).fit(TinyClassifier(), tiny_data())  # version_1: 2 rounds, newest
+    v0_last = _hash(str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt"))
+    resumed = _versioned(str(tmp_path), 4)
+    out = resumed.fit(TinyClassifier(), tiny_data(), ckpt_path="last")
+    v1 = tmp_path / "run" / "version_1"
+    assert resumed.checkpoint_dir == str(v1 / "checkpoints") and resumed.csv_log_dir == str(v1)
+    assert torch.equal(out.global_params, ref.global_params)  # it went on from version_1's round 2
+    assert sorted(os.listdir(tmp_path / "run")) == ["version_0", "version_1"]  # no new version
+    assert [row["round"] for row in read_metrics(str(v1 / "metrics.csv"))] == [1, 2, 3, 4]
+    assert _hash(str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt")) == v0_last
+
+
+def test_a_named_checkpoint_continues_its_own_version_and_another_runs_starts_a_new_one(tmp_path):
+    _versioned(str(tmp_path), 3).fit(TinyClassifier(), tiny_data())  # version_0
+    _versioned(str(tmp_path), 3).fit(TinyClassifier(), tiny_data())  # version_1
+    mid = str(tmp_path / "run" / "version_0" / "checkpoints" / "round-000002.ckpt")
+    again = _versioned(str(tmp_path), 3)
+    again.fit(TinyClassifier(), tiny_data(), ckpt_path=mid)
+    assert again.checkpoint_dir == os.path.dirname(mid)
+    other = _versioned(str(tmp_path / "other"), 3)
+    other.fit(TinyClassifier(), tiny_data(), ckpt_path=mid)  # another run's checkpoint: a version of its own
+    assert other.checkpoint_dir == str(tmp_path / "other" / "run" / "version_0" / "checkpoints")
+    assert [row["round"] for row in read_metrics(os.path.join(other.csv_log_dir, "metrics.csv"))] == [3]
+
+
+def test_checkpoints_of_older_runs_in_the_shared_directory_still_resume(tmp_path):
+    shared = str(tmp_path / "run" / "checkpoints")  # where runs kept them before they were per version
+    _versioned(str(tmp_path), 2, checkpoint_dir=shared).fit(TinyClassifier(), tiny_data())
+    state = ckpt.load(os.path.join(shared, "last.ckpt"))
+    del state["log_version"]  # as an older version wrote it
+    ckpt.save_atomic(state, os.path.join(shared, "last.ckpt"))
+    resumed = _versioned(str(tmp_path), 3)
+    resumed.fit(TinyClassifier(), tiny_data(), ckpt_path="last")
+    assert resumed.history[0]["round"] == 1 and len(resumed.history) == 3  # restored rounds 1-2, then round 3
+    assert resumed.csv_log_dir == str(tmp_path / "run" / "version_0")  # the run's version, continued
+    assert os.path.isfile(str(tmp_path / "run" / "version_0" / "checkpoints" / "round-000003.ckpt"))
+
+
+def test_a_version_is_claimed_once(tmp_path):
+    root = str(tmp_path / "run")
+    os.makedirs(os.path.join(root, "version_4"))
+    os.makedirs(os.path.join(root, "version_x"))
+    assert [run_files.claim_version(root) for _ in range(3)] == [5, 6, 7]
+    assert run_files.versions(root) == [4, 5, 6, 7]

@@ -236,7 +236,7 @@ def test_validate_test_and_predict_a_trained_run(tmp_path, capsys):
     cli.main(["fit", "-c", QUICKSTART, *SMALL, "--trainer.log_dir", log_dir])
     last = _metrics(log_dir)[-1]
     run_dir = os.path.join(log_dir, "quickstart")
-    final = os.path.join(run_dir, "checkpoints", "final.ckpt")
+    final = os.path.join(run_dir, "version_0", "checkpoints", "final.ckpt")
     config = os.path.join(run_dir, "version_0", "config.yaml")
     capsys.readouterr()
     for args, key in ((["test", "--ckpt_path", run_dir], "test_acc"),

@@ -91,7 +91,7 @@ def test_sigterm_to_mpiexec_checkpoints_and_the_printed_command_resumes_the_quic
     launch = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", "-m", "dpfl_lightning", "fit"]
     proc = subprocess.Popen(launch + QUICKSTART, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    first = tmp_path / "runs" / "quickstart" / "checkpoints" / "round-000005.ckpt"
+    first = tmp_path / "runs" / "quickstart" / "version_0" / "checkpoints" / "round-000005.ckpt"
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -99,8 +99,8 @@ def test_sigterm_to_mpiexec_checkpoints_and_the_printed_command_resumes_the_quic
     _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     command = next(ln for ln in err.splitlines() if ln.startswith("resume with: "))[len("resume with: "):]
-    assert command.endswith(" --resume runs/quickstart/checkpoints/last.ckpt")  # the README's line
-    stopped = ckpt.load(str(tmp_path / "runs" / "quickstart" / "checkpoints" / "last.ckpt"))["round"]
+    assert command.endswith(" --resume runs/quickstart/version_0/checkpoints/last.ckpt")  # the README's line
+    stopped = ckpt.load(str(tmp_path / "runs" / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"))["round"]
     assert 5 <= stopped < 20
 
     # The printed command, run here in one process (a two-rank checkpoint resumes on any number of ranks;
@@ -109,10 +109,10 @@ def test_sigterm_to_mpiexec_checkpoints_and_the_printed_command_resumes_the_quic
     assert words[:3] == ["mpiexec", "-n", "2"] and words[4:8] == ["-m", "mpi4py", "-m", "dpfl_lightning"]
     monkeypatch.chdir(tmp_path)
     main(words[8:])
-    final = ckpt.load(os.path.join("runs", "quickstart", "checkpoints", "last.ckpt"))
+    final = ckpt.load(os.path.join("runs", "quickstart", "version_0", "checkpoints", "last.ckpt"))  # resumed in place
     assert final["round"] == 20
     monkeypatch.chdir(tmp_path / "ref")
     shutil.copytree(tmp_path / "configs", "configs")
     main(["fit"] + QUICKSTART)
-    uninterrupted = ckpt.load(os.path.join("runs", "quickstart", "checkpoints", "last.ckpt"))
+    uninterrupted = ckpt.load(os.path.join("runs", "quickstart", "version_0", "checkpoints", "last.ckpt"))
     assert torch.equal(final["global_params"], uninterrupted["global_params"])

@@ -89,7 +89,7 @@ def test_resume_last_without_a_checkpoint_starts_from_round_zero(tmp_path):
 
 
 def test_the_resume_command_is_the_start_command_with_resume_set():
-    ck = "runs/quickstart/checkpoints/last.ckpt"
+    ck = "runs/quickstart/version_0/checkpoints/last.ckpt"
     argv = ["/venv/bin/dpfl", "fit", "--config", "configs/quickstart.yaml", "--trainer.rounds", "9"]
     assert resume_command(ck, argv) == f"dpfl fit --config configs/quickstart.yaml --trainer.rounds 9 --resume {ck}"
     again = argv + ["--resume", "old.ckpt"]

@@ -61,7 +61,7 @@ def test_python_and_cli_give_the_same_model_and_configuration(tmp_path, seed):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(CONFIG.format(seed=seed, log_dir=tmp_path))
     main(["fit", "--config", str(cfg)])
-    cli = ckpt.load(str(tmp_path / "cli" / "checkpoints" / "last.ckpt"))
+    cli = ckpt.load(str(tmp_path / "cli" / "version_0" / "checkpoints" / "last.ckpt"))
 
     hashes = set()
     with warnings.catch_warnings(record=True) as caught:

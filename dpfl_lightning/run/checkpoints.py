@@ -1,6 +1,7 @@
 """The run's checkpoints: what one holds (the global model, the plugins' and callbacks' states, the
 per-client states by id, the released history, the configuration), written atomically on rank 0 with
-``last.ckpt`` pointing at the newest; restoring one; stopping on a signal with one."""
+``last.ckpt`` pointing at the newest; restoring one; stopping on a signal with one; which
+``version_N`` of the run a fit writes and where its checkpoints go (the layout: :mod:`dpfl_lightning.run_files`)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,82 @@ import sys
 from typing import Any, Callable
 
 from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning import run_files
 from dpfl_lightning.comm import Communicator
 from dpfl_lightning.errors import ConfigError, drain_output, require
 from dpfl_lightning.export import save_lightning_checkpoint
+from dpfl_lightning.loggers import latest_version
 from dpfl_lightning.preemption import Preempted, resume_hint
 from dpfl_lightning.run.client_states import ClientStates
+from dpfl_lightning.run.setup import collect_mechanisms
 from dpfl_lightning.run.status import RunStatus
 from dpfl_lightning.settings import TrainerSettings
 
 
-def checkpoint_to_resume(ckpt_path: str | None, settings: TrainerSettings, announce: bool) -> str | None:
-    """``"last"``: the run's ``last.ckpt`` if it exists (a first start has none), as in Lightning."""
+def checkpoint_to_resume(ckpt_path: str | None, settings: TrainerSettings, comm: Communicator) -> str | None:
+    """``"last"``: the newest ``last.ckpt`` of the run (in ``checkpoint_dir`` if set, else in its newest
+    ``version_N/checkpoints`` that has one), if there is one (a first start has none), as rank 0
+    finds it; other paths as they are."""
     if ckpt_path != "last":
         return ckpt_path
-    last = os.path.join(settings.checkpoint_dir, "last.ckpt")
-    if os.path.isfile(last):
-        return last
-    if settings.enable_summary and announce:
-        print(f"resume: no checkpoint at {last} yet; starting from round 0", file=sys.stderr, flush=True)
-    return None
+    root = run_files.run_root(settings.log_dir, settings.run_name)
+    last = run_files.newest_checkpoint(root, (run_files.LAST,), settings.checkpoint_dir) if comm.rank == 0 else None
+    last = comm.broadcast_object(last, root=0) if comm.size > 1 else last
+    if last is None and settings.enable_summary and comm.rank == 0:
+        where = settings.checkpoint_dir or os.path.join(root, "version_*", run_files.CHECKPOINTS)
+        print(f"resume: no checkpoint at {os.path.join(where, run_files.LAST)} yet; starting from round 0",
+              file=sys.stderr, flush=True)
+    return last
+
+
+def fit_version(settings: TrainerSettings, ckpt_path: str | None, state: dict[str, Any] | None) -> int:
+    """The ``version_N`` of the run a fit writes (call on rank 0). A resumed fit continues the version of
+    its checkpoint: the ``N`` of ``version_N/checkpoints`` that holds it; for a checkpoint in the run's
+    own shared directory (a set ``checkpoint_dir``, or ``<run>/checkpoints`` of older runs) the version
+    it was written by (else the newest with a ``metrics.csv``). A new fit, or one resumed from another
+    run's checkpoint, takes a new version, as a Lightning logger does."""
+    root = run_files.run_root(settings.log_dir, settings.run_name)
+    if state is not None and ckpt_path:
+        version = run_files.checkpoint_version(ckpt_path, root)
+        shared = settings.checkpoint_dir or os.path.join(root, run_files.CHECKPOINTS)
+        if version is None and os.path.isdir(shared) and os.path.samefile(os.path.dirname(os.path.abspath(ckpt_path)),
+                                                                          shared):
+            version = state.get("log_version")
+            if version is None or not os.path.isdir(os.path.join(root, f"version_{version}")):
+                version = latest_version(settings.log_dir, settings.run_name)
+        if version is not None:
+            return int(version)
+    return run_files.claim_version(root)
+
+
+def open_version(settings: TrainerSettings, comm: Communicator, status: RunStatus, ckpt_path: str | None,
+                 state: dict[str, Any] | None) -> int:
+    """Choose the fit's version on rank 0 (see :func:`fit_version`), tell every rank, and record it and
+    the checkpoint directory (``checkpoint_dir``, else ``<run>/version_N/checkpoints``) in ``status``."""
+    version = fit_version(settings, ckpt_path, state) if comm.rank == 0 else None
+    status.version = version = comm.broadcast_object(version, root=0) if comm.size > 1 else version
+    root = run_files.run_root(settings.log_dir, settings.run_name)
+    status.checkpoint_dir = settings.checkpoint_dir or run_files.version_checkpoint_dir(root, version)
+    return version
+
+
+def planned_checkpoint_dir(settings: TrainerSettings) -> str:
+    """Before a fit: ``checkpoint_dir`` if set, else the directory ``fit(ckpt_path="last")`` would resume
+    from, else the one a new fit would write (the next version's)."""
+    if settings.checkpoint_dir:
+        return settings.checkpoint_dir
+    root = run_files.run_root(settings.log_dir, settings.run_name)
+    last = run_files.newest_checkpoint(root, (run_files.LAST,))
+    return os.path.dirname(last) if last else run_files.version_checkpoint_dir(root, (run_files.versions(root)
+                                                                                       or [-1])[-1] + 1)
 
 
 def write_lightning_checkpoint(module: Any, data: Any, comm: Communicator | None, path: str, history: list,
                                epoch: int | None = None, global_step: int | None = None) -> str:
     """The global model as a Lightning checkpoint (rank 0 writes; every rank calls this); ``epoch``
     defaults to the rounds in ``history`` and ``global_step`` to the reference client's steps by then."""
+    require(module is not None, "save_lightning_checkpoint", path, "there is no trained model yet",
+            "call it after fit (or set final_checkpoint=True)")
     done = int(history[-1].get("round", len(history))) if history else 0
     epoch = done if epoch is None else epoch
     if global_step is None:
@@ -84,6 +136,7 @@ class RunCheckpoints:
             "config": self.config(),
             "history": list(self.status.history),
             "world_size": self.comm.size,
+            "log_version": self.status.version,  # the run's version_N that wrote it (a resume continues it)
         }
 
     def save(self, path: str, rounds_done: int) -> None:
@@ -100,14 +153,14 @@ class RunCheckpoints:
         self.comm.barrier()
 
     def round_path(self, rounds_done: int) -> str:
-        return os.path.join(self.settings.checkpoint_dir, f"round-{rounds_done:06d}.ckpt")
+        return os.path.join(self.status.checkpoint_dir, f"round-{rounds_done:06d}.ckpt")
 
     def preempt(self, signum: int, rounds_done: int, loggers: list[Any], saved: bool) -> None:
         """Stop on a signal after ``rounds_done`` rounds: a checkpoint (unless this round wrote one),
         the resume command on rank 0, out before any rank exits; then :class:`Preempted`."""
         if not saved:
             self.save(self.round_path(rounds_done), rounds_done)
-        last = os.path.join(self.settings.checkpoint_dir, "last.ckpt")
+        last = os.path.join(self.status.checkpoint_dir, run_files.LAST)
         for lg in loggers:
             lg.finalize("preempted")
         if self.comm.rank == 0:
@@ -117,9 +170,9 @@ class RunCheckpoints:
         self.comm.barrier()
         raise Preempted(signum, last, rounds_done)
 
-    def restore(self, state: dict[str, Any], device: Any) -> int:
-        """Continue from ``state``: refused if it was written by another configuration; returns the
-        rounds it had done."""
+    def restore(self, state: dict[str, Any], run: Any) -> int:
+        """Continue ``run`` (its :class:`~dpfl_lightning.run.setup.RunSetup`) from ``state``: refused if it
+        was written by another configuration; returns the rounds it had done."""
         module, data, s = self.module, self.data, self.settings
         for key, have in (("num_parameters", module.num_parameters), ("num_clients", data.num_clients),
                           ("seed", s.seed), ("sampler", self._sampler_key()), ("secure", s.secure)):
@@ -139,6 +192,9 @@ class RunCheckpoints:
                 print(f"resume: changed since the checkpoint: {line}", flush=True)
         module.global_params.copy_(state["global_params"].to(module.global_params.device))
         module.load_global()
-        self.states.restore(state["client_states"], device)
+        self.states.restore(state["client_states"], run.device)
         self.status.history = list(state.get("history", []))
+        if run.ledger is not None:  # restored plugins (calibrated noise) are in force now
+            collect_mechanisms(self.plugins, run.ctx)
+            run.ledger.setup(ctx=run.ctx)
         return int(state["round"])

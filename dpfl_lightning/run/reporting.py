@@ -14,8 +14,10 @@ from dpfl_lightning.settings import TrainerSettings
 
 def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, status: RunStatus,
                  config: dict[str, Any], resume_round: int | None) -> list[Any]:
-    """Rank 0's loggers (call on rank 0 only), with the privacy settings of a DP run."""
-    loggers = make_loggers(settings.log_dir, settings.run_name, extra, resume_round=resume_round, config=config)
+    """Rank 0's loggers (call on rank 0 only), writing the fit's ``status.version``, with the privacy
+    settings of a DP run."""
+    loggers = make_loggers(settings.log_dir, settings.run_name, extra, resume_round=resume_round, config=config,
+                           version=status.version)
     if run.private:
         log_privacy_settings(loggers, privacy_settings(run.ctx.mechanisms, run.ledger, run.privacy_lines()))
     status.csv_log_dir = loggers[0].log_dir

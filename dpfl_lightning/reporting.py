@@ -32,6 +32,7 @@ import math
 import os
 import re
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,10 @@ _BOOKKEEPING = ("round", "step", "round_time_s", "clients", "skipped_clients")
 _NOT_CONFIG = ("trainer.run_name", "trainer.log_dir", "trainer.checkpoint_dir", "trainer.checkpoint_every",
                "trainer.loggers", "trainer.enable_progress_bar", "trainer.enable_summary", "trainer.num_threads",
                "privacy")
+#: the longest label a plot shows (a legend entry, a line of an axis label): a mixed directory's
+#: configurations differ in many settings, and their full labels would run off the image; longer
+#: ones are numbered and cut with an ellipsis (the full text in summary.md, under its number)
+LABEL_MAX = 60
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -126,9 +131,13 @@ class Run:
 
 @dataclass
 class Group:
+    """Runs of one configuration; ``label`` says what sets it apart (in full), ``short`` is what a
+    plot shows (``label``, or ``[3] ...`` when some group's label is longer than :data:`LABEL_MAX`)."""
+
     key: str
     label: str
     runs: list[Run] = field(default_factory=list)
+    short: str = ""
 
     @property
     def counted(self) -> list[Run]:
@@ -217,7 +226,23 @@ def group_runs(runs: list[Run]) -> list[Group]:
         g.label = ", ".join(parts) if parts else (g.runs[0].label if len(groups) > 1 else "all runs")
         g.runs.sort(key=lambda r: _natural(f"{r.seed}/{r.label}"))
         g.mark_repeats()
-    return sorted(groups.values(), key=lambda g: _natural(g.label))
+    ordered = sorted(groups.values(), key=lambda g: _natural(g.label))
+    for g, short in zip(ordered, short_labels([g.label for g in ordered])):
+        g.short = short
+    return ordered
+
+
+def short_labels(labels: list[str], limit: int = LABEL_MAX) -> list[str]:
+    """``labels`` as they are when each fits ``limit`` characters; else every one numbered
+    (``[1] ``, ``[2] ``, ...: the key to its full text) and cut to ``limit`` with an ellipsis."""
+    if all(len(label) <= limit for label in labels):
+        return list(labels)
+    out = []
+    for i, label in enumerate(labels, 1):
+        tag = f"[{i}] "
+        room = limit - len(tag)
+        out.append(tag + (label if len(label) <= room else label[:room - 1].rstrip(" ,") + "…"))
+    return out
 
 
 def _natural(text: str) -> list[Any]:
@@ -311,6 +336,9 @@ def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str], eps
     if repeats:
         lines += [f"Not averaged (the same seeds as a newer run of their configuration): "
                   f"{', '.join(f'{r.label} (as {r.repeat_of})' for r in repeats)}.", ""]
+    if any(g.short != g.label for g in groups):
+        lines += ["Configurations (as the plots and the tables below number them):", ""]
+        lines += [f"- {_md_escape(g.short.split(' ', 1)[0])} {_md_escape(g.label)}" for g in groups] + [""]
     lines += ["| configuration | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for g in groups:
         counted = g.counted
@@ -320,14 +348,14 @@ def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str], eps
         cells += [_cell([r.final(m) for r in counted]) for m in cols[1:]]
         left_out = len(g.runs) - len(counted)
         extra = f" +{left_out} repeated" if left_out else ""
-        lines.append(f"| {_md_escape(g.label)} | {len(counted)} ({seeds}){extra} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_md_escape(g.short)} | {len(counted)} ({seeds}){extra} | " + " | ".join(cells) + " |")
     lines += ["", "## Runs", "", "| run | configuration | seed | " + " | ".join(cols) + " |",
               "|---|---|---|" + "---|" * len(cols)]
     for g in groups:
         for r in g.runs:
             cells = [str(r.rounds)] + [("-" if r.final(m) is None else f"{r.final(m):.4g}") for m in cols[1:]]
             seed = r.seed + (" (repeat: not averaged)" if r.repeat_of else "")
-            lines.append(f"| {_md_escape(r.label)} | {_md_escape(g.label)} | {seed} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_md_escape(r.label)} | {_md_escape(g.short)} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -358,8 +386,8 @@ def _safe(name: str) -> str:
 
 
 def _epsilon_axis(runs: list[Run], column: str) -> str:
-    """An epsilon axis label: the column and its guarantee, on two lines."""
-    return f"{column}\n({guarantee_label(runs, column)})"
+    """An epsilon axis label: the column, then its guarantee in lines of at most :data:`LABEL_MAX`."""
+    return f"{column}\n" + textwrap.fill(f"({guarantee_label(runs, column)})", LABEL_MAX, break_long_words=False)
 
 
 class _Figures:
@@ -396,7 +424,7 @@ def _lines(ax: Any, groups: list[Group], colors: list[Any], x_of: Any, y: str, s
                 continue
             alpha = (0.35 if faint else 0.85) * (1.0 if r.repeat_of is None else 0.4)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=c, ms=3, lw=0.8 if faint else 1.2,
-                    alpha=alpha, label=g.label if i == 0 and not faint else None)
+                    alpha=alpha, label=g.short if i == 0 and not faint else None)
 
 
 def _over_rounds(r: Run, y: str) -> list[tuple[float, float]]:
@@ -410,7 +438,7 @@ def _final_points(ax: Any, groups: list[Group], colors: list[Any], column: str, 
         if finals:
             (ex, exs), (my, mys) = mean_std([e for e, _ in finals]), mean_std([m for _, m in finals])
             ax.errorbar([ex], [my], xerr=[exs or 0.0], yerr=[mys or 0.0], fmt="o", color=c, ms=6, capsize=3,
-                        label=g.label)
+                        label=g.short)
 
 
 def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str] | None = None) -> list[str]:

@@ -130,8 +130,9 @@ def test_report_plots_and_table_match_the_csv_logs(runs_dir, tmp_path, drawn):
     assert drawn["val_acc_vs_round.png"][1] == "val_acc"
     # every epsilon axis names its guarantee: audience and delta
     assert drawn["epsilon_vs_round.png"][1] == "epsilon\n(client-level, towards the server, delta=1e-06)"
-    assert drawn["test_acc_vs_epsilon_client_distributed_models.png"][0] == \
-        f"{MODELS}\n(client-level, towards anyone who sees the models but not who took part, delta=1e-06)"
+    column, *guarantee = drawn["test_acc_vs_epsilon_client_distributed_models.png"][0].split("\n")
+    assert column == MODELS and all(len(ln) <= 60 for ln in guarantee)  # wrapped to stay on the image
+    assert " ".join(guarantee) == "(client-level, towards anyone who sees the models but not who took part, delta=1e-06)"
     with open(result["table"]) as f:
         text = f.read()
     table = text.split("## Runs")[0]
@@ -208,3 +209,44 @@ def test_report_without_privacy_or_known_metrics(tmp_path):
     assert "| all runs | 2 (0, 1) | 3 | 0.8333 ± 0.71 |" in text
     with pytest.raises(ConfigError, match="no metrics.csv"):
         write_report(os.path.join(root, "report"))  # the report directory itself holds no runs
+
+
+def test_a_mixed_directory_labels_its_configurations_briefly_and_keys_them_in_the_table(tmp_path, monkeypatch):
+    """Runs of unrelated configurations differ in dozens of settings: each full label would run to
+    hundreds of characters and off the image. The plots number them and cut them to 60 characters,
+    the legend and the axis labels stay inside the figure, and summary.md gives every full label
+    under its number."""
+    import matplotlib.figure
+
+    root = str(tmp_path / "runs")
+    settings = {f"setting_{k}": k for k in range(30)}
+    for i in range(3):
+        config = {"trainer": {"seed": 0, "rounds": 2 + i, **{f"{k}_{i}": v for k, v in settings.items()}},
+                  "model": {"class_path": f"pkg.models.Model{i}", "init_args": {f"width_{i}": 10 * i}}}
+        _write_run(root, f"mixed_{i}", config, [{"round": 1, "val_acc": 0.1 * i}, {"round": 2, "val_acc": 0.2 * i}])
+    outside = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kwargs):
+        fig.tight_layout()
+        fig.canvas.draw()
+        box = fig.bbox
+        ax = fig.axes[0]
+        parts = [ax.get_legend(), ax.xaxis.label, ax.yaxis.label, ax.title]
+        outside[os.path.basename(str(path))] = [
+            p.get_window_extent() for p in parts if p is not None and p.get_visible() and p.get_window_extent().width
+            and not (box.x0 - 1 <= p.get_window_extent().x0 and p.get_window_extent().x1 <= box.x1 + 1)]
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    result = write_report(root, out=str(tmp_path / "report"))
+    groups = result["groups"]
+    assert len(groups) == 3 and all(len(g.label) > 500 for g in groups)  # what the plots must not show
+    assert all(len(g.short) <= 60 for g in groups)
+    assert [g.short.split(" ")[0] for g in groups] == ["[1]", "[2]", "[3]"]
+    assert outside and all(v == [] for v in outside.values()), outside
+    with open(result["table"]) as f:
+        text = f.read()
+    for g in groups:
+        assert f"- {g.short.split(' ')[0]} {g.label}\n" in text  # the key: number -> the whole label
+        assert f"| {g.short} |" in text and f"| {g.label} |" not in text

@@ -671,21 +671,23 @@ def _quote(s: str) -> str:
 
 
 def print_runs(results: list[RunResult], metric: str | None = None, out: Any = None) -> None:
-    """A table of the runs: name, parameters, status (and the sweep's metric)."""
+    """A table of the runs: name, parameters (one a line, under their shortest distinct names: ``lr``
+    for ``model.init_args.lr``), status (and the sweep's metric). It fits the terminal, 80 columns in
+    a file or a pipe (``COLUMNS`` wider): long cells wrap between words, a longer word folds."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console(file=out or sys.stderr)
-    if not console.is_terminal:  # a log file: no need to squeeze the table into 80 columns
-        console = Console(file=out or sys.stderr, width=160)
+    texts = [[_param_text(k, v) for k, v in r.params.items()] for r in results]
+    names = short_keys(list(dict.fromkeys(k for t in texts for part in t for k, _ in part)))
     table = Table(title="sweep runs", show_header=True, header_style="bold")
-    table.add_column("run", overflow="fold")
-    table.add_column("parameters")
-    table.add_column("status")
+    table.add_column("run", overflow="fold", ratio=3)
+    table.add_column("parameters", overflow="fold", ratio=3)
+    table.add_column("status", overflow="fold", ratio=3)
     if metric:
-        table.add_column(metric, justify="right")
-    for r in results:
-        params = ", ".join(_param_text(k, v) for k, v in r.params.items())
+        table.add_column(metric, justify="right", no_wrap=True)
+    for r, text in zip(results, texts):
+        params = "\n".join(f"{names[k]}={v}" for part in text for k, v in part)
         took = "" if r.seconds is None else f" ({r.seconds:.0f} s)"
         status = {"done": f"done{took}", "skipped": "done before", "dry-run": "not run",
                   "failed": f"failed (exit {r.returncode}): {r.message}"}.get(r.status, r.status)
@@ -696,15 +698,15 @@ def print_runs(results: list[RunResult], metric: str | None = None, out: Any = N
     console.print(table)
 
 
-def _param_text(key: str, v: Any) -> str:
-    """A parameter for the table of runs: a mapping as the options it sets."""
+def _param_text(key: str, v: Any) -> list[tuple[str, str]]:
+    """A parameter for the table of runs, as the ``(option, value)`` pairs it sets (a mapping: one
+    per entry)."""
     if isinstance(v, dict) and "class_path" in v:
         args = v.get("init_args") or {}
-        parts = [f"{key}={_value_slug(v['class_path'])}"] + [f"{key}.{k}={format_value(x)}" for k, x in args.items()]
-        return ", ".join(parts)
+        return [(key, _value_slug(v["class_path"]))] + [(f"{key}.{k}", format_value(x)) for k, x in args.items()]
     if isinstance(v, dict):
-        return ", ".join(f"{key}.{k}={format_value(x)}" for k, x in v.items())
-    return f"{key}={format_value(v)}"
+        return [(f"{key}.{k}", format_value(x)) for k, x in v.items()]
+    return [(key, format_value(v))]
 
 
 def run_from_cli(cfg: Any) -> int:

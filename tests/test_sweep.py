@@ -297,3 +297,30 @@ def test_command_macros_match_the_wandb_agent(tmp_path):
     for macro in macros:
         spec.command = ["${" + macro + "}"]
         assert sweep.build_command(spec, drawn) == theirs[macro], macro
+
+
+def test_the_table_of_runs_fits_80_columns_and_loses_nothing(monkeypatch):
+    """A long run name, a class with arguments, two seeds and a failure's message: in a file (a
+    batch job's log) the table is 80 columns wide, and every cell's text is still all there."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    name = "lr=0.1_clip=1.0_noise_multiplier=2.0_seed=0_algorithm=DPFedAvg_" + "x" * 40
+    message = "ConfigError: GaussianNoise.target_epsilon=1e-06: is unreachable: even noise multiplier 1e+05 gives more"
+    params = {"model.init_args.lr": 0.1, "trainer.seed": 0, "data.init_args.seed": 3,
+              "trainer.algorithm": {"class_path": "dpfl_lightning.algorithms.DPFedAvg",
+                                    "init_args": {"clip": 1.0, "noise_multiplier": 2.0}}}
+    results = [sweep.RunResult(name, params, "failed", returncode=1, message=message, metric=0.71),
+               sweep.RunResult("seed=1_lr=0.5", {"model.init_args.lr": 0.5, "trainer.seed": 1}, "done",
+                               seconds=12.0, metric=0.5)]
+    out = io.StringIO()
+    sweep.print_runs(results, "test_acc", out=out)
+    lines = out.getvalue().splitlines()
+    assert max(len(ln) for ln in lines) <= 80, out.getvalue()
+    cells = [[c.strip() for c in ln.split("│")[1:-1]] for ln in lines if ln.startswith("│")]
+    first = cells[:next(i for i, c in enumerate(cells) if c[0] == "seed=1_lr=0.5")]
+    assert "".join(c[0] for c in first) == name  # folded, not cut
+    status = "".join(c[2] for c in first).replace(" ", "")  # wrapped between words, folded inside one
+    assert status == f"failed (exit 1): {message}".replace(" ", "")
+    shown = [c[1] for c in first if c[1]]  # one parameter a line, under its shortest distinct name
+    assert shown == ["lr=0.1", "trainer.seed=0", "data.seed=3", "algorithm=DPFedAvg", "clip=1.0",
+                     "noise_multiplier=2.0"]
+    assert first[0][3] == "0.71"

@@ -44,7 +44,7 @@ from jsonargparse import ArgumentParser
 
 from dpfl_lightning import errors
 from dpfl_lightning.cli_config import expect_model_labels, federated_data, run_config_text, seed_model
-from dpfl_lightning.cli_parsers import build_parser, fit_parser, parse_error_line
+from dpfl_lightning.cli_parsers import build_parser, command_of, fit_parser, parse_error_line
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
 
 __all__ = ["build_parser", "expect_model_labels", "federated_data", "fit_parser", "main", "parse", "run_config_text",
@@ -126,7 +126,9 @@ def run_stage(parser: ArgumentParser, cfg: Any, stage: str) -> Any:
 
 
 def _world() -> tuple[int, int, Any]:
-    from dpfl_lightning.comm import launched_with_mpi  # (torch: not for `dpfl --help`)
+    if "torch" not in sys.modules:  # a light subcommand (no torch, so no communicator): no rank waits on this one
+        return 0, 1, None
+    from dpfl_lightning.comm import launched_with_mpi
 
     if not launched_with_mpi():
         return 0, 1, None
@@ -168,23 +170,41 @@ def _search_working_directory() -> None:
 
 def parse(parser: ArgumentParser, argv: list[str] | None = None) -> Any:
     """Parse ``argv`` (default: the command line); a bad command line ends with one line and exit 2."""
-    from dpfl_lightning import evaluation
-
     argv = list(sys.argv[1:] if argv is None else argv)
     _search_working_directory()
     try:
-        return parser.parse_args(evaluation.rewrite_arguments(argv))
+        args = argv
+        if argv and argv[0] in ("validate", "test", "predict"):  # a run directory as --ckpt_path
+            from dpfl_lightning import evaluation
+
+            args = evaluation.rewrite_arguments(argv)
+        return parser.parse_args(args)
     except argparse.ArgumentError as exc:
         _fail(parse_error_line(parser, argv, exc.message), EXIT_CONFIG)
     except ConfigError as exc:
         _fail(str(exc), EXIT_CONFIG)
 
 
+def _asks_help(argv: list[str]) -> bool:
+    words = argv[:argv.index("--")] if "--" in argv else argv
+    return "-h" in words or "--help" in words
+
+
 def main(argv: list[str] | None = None) -> None:
-    if list(sys.argv[1:] if argv is None else argv) in (["-h"], ["--help"]):
-        build_parser(light=True).print_help()  # the subcommands' list, in a fraction of a second
-        return
-    parser = build_parser()
+    """``dpfl ...``: parse the command line (building only the parser of the subcommand it names)
+    and run the subcommand. ``--help`` of a subcommand whose parser is built from signatures is
+    printed from :mod:`dpfl_lightning.cli_help`, without importing torch or Lightning."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = command_of(argv)
+    if _asks_help(argv):
+        if argv[0] in ("-h", "--help"):
+            build_parser(light=True).print_help()  # the subcommands' list, in a fraction of a second
+            return
+        from dpfl_lightning import cli_help
+
+        if cli_help.print_help(command):
+            return
+    parser = build_parser(light=not command, command=command)
     cfg = parse(parser, argv)
     try:
         if cfg.command == "fit":

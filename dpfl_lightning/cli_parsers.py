@@ -153,6 +153,8 @@ _STAGE_HELP = {
     "predict": "Run the module's predict_step on the test set (or a DataModule's predict_dataloader) with the global "
                "model of a trained run, under lightning.Trainer; the predictions are saved with torch.save.",
 }
+_EPSILON_HELP = ("The epsilon a fit configuration would reach (the privacy ledger's guarantees after trainer.rounds), "
+                 "without training: the configuration of dpfl fit.")
 _CKPT_HELP = {
     "fit": "continue from this checkpoint (a round-*.ckpt or last.ckpt of the run)",
     "validate": "the trained run: a checkpoint (final.ckpt, last.ckpt) or a run directory (runs/quickstart or "
@@ -220,11 +222,13 @@ def _titles(p: ArgumentParser, models: list[str]) -> None:
                                        "FederatedDataModule) takes them in its own init_args instead.")
 
 
-def add_privacy_subcommands(p: ArgumentParser) -> dict[str, ArgumentParser]:
+def add_privacy_subcommands(p: ArgumentParser, epsilon: bool = True) -> dict[str, ArgumentParser]:
     """``privacy epsilon | calibrate | plan | theory`` (jsonargparse wants the parent added first);
-    returns their parsers by name."""
+    returns their parsers by name. ``epsilon=False``: an empty ``epsilon`` parser (the others import
+    nothing of torch or Lightning; ``epsilon`` builds the fit parser, which does)."""
     sub = p.add_subcommands(dest="privacy_command")
-    eps = fit_parser()
+    eps = fit_parser() if epsilon else DpflArgumentParser()
+    eps.description = _EPSILON_HELP
     eps.add_argument("--accountant", type=str | None, default=None, help="rdp, pld or prv (default: the ledger's)")
     eps.add_argument("--delta", type=float | None, default=None, help="default: the ledger's")
     sub.add_subcommand("epsilon", eps, help="epsilon a fit config would reach, without training")
@@ -319,27 +323,65 @@ SUBCOMMANDS = {
 }
 
 
-def _subcommand_parsers() -> dict[str, ArgumentParser]:
-    return {"fit": fit_parser(), "validate": fit_parser("validate"), "test": fit_parser("test"),
-            "predict": fit_parser("predict"),
-            "privacy": DpflArgumentParser(description="Privacy accounting without training."),
-            "sweep": sweep_parser(), "report": report_parser(), "audit": audit_parser()}
+PRIVACY_SUBCOMMANDS = ("epsilon", "calibrate", "plan", "theory")
+
+#: the subcommands whose parser is built from the trainer's, the models' and the data modules'
+#: signatures (importing torch and Lightning); the others' parsers import neither
+SIGNATURE_PARSERS = ("fit", "validate", "test", "predict", "audit", "privacy epsilon")
 
 
-def build_parser(light: bool = False) -> ArgumentParser:
+def _subcommand_parser(name: str) -> ArgumentParser:
+    if name in ("fit", "validate", "test", "predict"):
+        return fit_parser(name)
+    if name == "privacy":
+        return DpflArgumentParser(description="Privacy accounting without training.")
+    return {"sweep": sweep_parser, "report": report_parser, "audit": audit_parser}[name]()
+
+
+def command_of(argv: list[str]) -> str:
+    """The subcommand a command line names (``fit``, ``privacy calibrate``, ``privacy``), or ``""``:
+    the first word if it is a subcommand, and for ``privacy`` the next word if it is one of its own."""
+    if not argv or argv[0] not in SUBCOMMANDS:  # the top level has no options before the subcommand
+        return ""
+    if argv[0] == "privacy" and len(argv) > 1 and argv[1] in PRIVACY_SUBCOMMANDS:
+        return f"privacy {argv[1]}"
+    return argv[0]
+
+
+def version() -> str:
+    """The installed package's version (its metadata), or the source's when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dpfl_lightning")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        from dpfl_lightning import __version__
+
+        return __version__
+
+
+def build_parser(light: bool = False, command: str | None = None) -> ArgumentParser:
     """The ``dpfl`` parser; ``parser.dpfl_subcommands`` maps each subcommand (``fit``,
     ``privacy calibrate``, ...) to its parser. ``light``: empty subcommands, enough for ``dpfl --help``
-    (nothing of the trainer, Lightning or the accountants is imported)."""
+    and ``--version`` (nothing of the trainer, Lightning or the accountants is imported). ``command``
+    (see :func:`command_of`): build that subcommand's parser only, the others empty, so that
+    ``dpfl privacy calibrate`` or ``dpfl sweep`` import no torch and ``dpfl fit`` builds one
+    signature parser, not six."""
     parser = DpflArgumentParser(prog="dpfl",
                                 description="Differentially private federated learning on Lightning modules.")
+    parser.add_argument("--version", action="version", version=f"dpfl_lightning {version()}",
+                        help="print the installed dpfl_lightning version and exit")
     sub = parser.add_subcommands(dest="command")
-    parsers = {name: DpflArgumentParser() for name in SUBCOMMANDS} if light else _subcommand_parsers()
+    top = (command or "").split(" ")[0]
+    full = {name for name in SUBCOMMANDS if not light and (command is None or name == top)}
+    parsers = {name: _subcommand_parser(name) if name in full else DpflArgumentParser() for name in SUBCOMMANDS}
     commands: dict[str, ArgumentParser] = {}
     for name, text in SUBCOMMANDS.items():
         sub.add_subcommand(name, parsers[name], help=text)
         commands[name] = parsers[name]
-    if not light:
-        commands.update({f"privacy {k}": v for k, v in add_privacy_subcommands(parsers["privacy"]).items()})
+    if "privacy" in full:
+        built = add_privacy_subcommands(parsers["privacy"], epsilon=command in (None, "privacy epsilon"))
+        commands.update({f"privacy {k}": v for k, v in built.items()})
     parser.dpfl_subcommands = commands
     return parser
 

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from dpfl_lightning.cli_config import federated_data
-from dpfl_lightning.comm import LocalCommunicator
 from dpfl_lightning.errors import require
-from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
 from dpfl_lightning.privacy.calibrate import max_steps
 from dpfl_lightning.privacy.guarantees import default_delta, guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.privacy.planning import PrivacyPlanner
 from dpfl_lightning.privacy.theory import scaffnew_optimal
-from dpfl_lightning.rng import RandomSource
-from dpfl_lightning.run.setup import prepare_privacy, setup_plugins
-from dpfl_lightning.sampling import ClientSampler
+
+if TYPE_CHECKING:
+    from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
+    from dpfl_lightning.sampling import ClientSampler
+
+# `calibrate`, `plan` and `theory` import no torch or Lightning (seconds of start-up on a loaded
+# machine); `epsilon` builds the configured trainer, data and model, and imports them where it does.
 
 
 def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: float | None = None,
@@ -29,6 +30,10 @@ def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: floa
     calibration) and return the ledger, without laying out the model or any training. ``model``
     (the user's module, as configured) gives the parameter count ``d`` that some mechanisms scale
     with (CDP-FedEXP's xi); without it they refuse to plan."""
+    from dpfl_lightning.comm import LocalCommunicator
+    from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
+    from dpfl_lightning.run.setup import prepare_privacy, setup_plugins
+
     plugins = list(trainer.plugins)  # the trainer is read, not changed
     ledger = next((p for p in plugins if isinstance(p, PrivacyLedger)), None)
     if ledger is None and (accountant is not None or delta is not None):
@@ -54,8 +59,18 @@ def _print_epsilon(trainer: Any, ledger: PrivacyLedger) -> None:
 
 
 def _sampler(cfg: Any) -> ClientSampler:
+    from dpfl_lightning.sampling import ClientSampler
+
     kind = cfg.sampling or ("uniform" if cfg.clients_per_round else "poisson" if cfg.sampling_rate else "full")
     return ClientSampler(kind, cfg.clients, cfg.clients_per_round, cfg.sampling_rate)
+
+
+def _random(cfg: Any) -> Any:
+    """The seed's random source: which clients take part when (planned local or distributed noise;
+    it imports torch, which central noise never needs)."""
+    from dpfl_lightning.rng import RandomSource
+
+    return RandomSource(cfg.seed)
 
 
 def _calibrate(cfg: Any) -> None:
@@ -63,9 +78,8 @@ def _calibrate(cfg: Any) -> None:
     require(0 < cfg.delta < 1.0 / cfg.clients, "--delta", cfg.delta,
             f"client-level DP over {cfg.clients} clients needs delta well below 1/{cfg.clients} (a mechanism that "
             f"publishes one client in full would meet delta >= 1/{cfg.clients})", f"set --delta <= {default_delta(cfg.clients):g}")
-    random = RandomSource(cfg.seed)
     planner = PrivacyPlanner(sampler.accounted(), cfg.rounds,
-                             None if cfg.secure else (lambda rounds: sampler.participation_counts(random, rounds)),
+                             None if cfg.secure else (lambda rounds: sampler.participation_counts(_random(cfg), rounds)),
                              lambda n: 1, cfg.clients)
 
     def main(z: float):
@@ -121,6 +135,8 @@ def _plan_paper001(cfg: Any) -> None:
 def run(parser: Any, cfg: Any) -> None:
     pcfg = cfg.privacy
     if pcfg.privacy_command == "epsilon":
+        from dpfl_lightning.cli_config import federated_data
+
         sub = pcfg.epsilon
         init = parser.instantiate_classes(cfg).privacy.epsilon
         data = federated_data(init.data, sub.split)  # a plain LightningDataModule is split as `dpfl fit` splits it

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfl_lightning import rng
 from dpfl_lightning.errors import require
 from dpfl_lightning.privacy.guarantees import Sampling
+
+if TYPE_CHECKING:  # rng imports torch: drawn cohorts need it, `dpfl privacy calibrate`'s sampler does not
+    from dpfl_lightning import rng
 
 SAMPLERS = ("uniform", "poisson", "full")
 
@@ -93,6 +96,8 @@ class ClientSampler:
         M = self.num_clients
         if self.kind == "full":
             return list(range(M))
+        from dpfl_lightning import rng
+
         stream = random.stream(round_idx, rng.SERVER_CLIENT, rng.SAMPLING)
         if self.kind == "uniform":
             m = self.clients_per_round

@@ -13,7 +13,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import re
+import textwrap
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +32,19 @@ _BASES = {
     "trainer.loggers": ("lightning.pytorch.loggers.Logger",),
     "trainer.callbacks": ("lightning.pytorch.callbacks.Callback",),
 }
+
+#: where the bundled classes a setting takes are exported (listed by their short import path)
+_HOMES = {
+    "model": "dpfl_lightning.models",
+    "data": "dpfl_lightning.data",
+    "trainer.algorithm": "dpfl_lightning.algorithms",
+    "trainer.plugins": "dpfl_lightning.plugins",
+    "trainer.loggers": "dpfl_lightning.loggers",
+}
+
+#: what a setting's values are called in a message
+_KINDS = {"model": "LightningModule", "data": "data module", "trainer.algorithm": "algorithm",
+          "trainer.plugins": "plugin", "trainer.loggers": "logger", "trainer.callbacks": "callback"}
 
 
 def _import(path: str) -> Any:
@@ -51,14 +66,24 @@ def _subclasses(base: type) -> Iterable[type]:
                 yield sub
 
 
+def _base_key(key: str) -> str:
+    return re.sub(r"\.init_args$|\[\d+\]$", "", key)
+
+
 def known_classes(key: str) -> dict[str, str]:
-    """``{class name: import path}`` of the classes this process knows that ``key`` accepts."""
-    base_key = re.sub(r"\.init_args$|\[\d+\]$", "", key)
+    """``{class name: import path}`` of the classes this process knows that ``key`` accepts: the
+    bundled ones by their exported path (``dpfl_lightning.plugins.UpdateClipping``), then the other
+    subclasses imported so far."""
+    base_key = _base_key(key)
+    bases = [b for b in (_import(path) for path in _BASES.get(base_key, ())) if b is not None]
     out: dict[str, str] = {}
-    for path in _BASES.get(base_key, ()):
-        base = _import(path)
-        if base is None:
-            continue
+    home = _HOMES.get(base_key)
+    module = _module_of(f"{home}.x") if home and bases else None
+    for name in sorted(n for n in dir(module) if not n.startswith("_")) if module else ():
+        obj = getattr(module, name, None)
+        if inspect.isclass(obj) and issubclass(obj, tuple(bases)) and obj not in bases:
+            out[name] = f"{home}.{name}"
+    for base in bases:
         for cls in [base, *_subclasses(base)]:
             name = cls.__name__
             if not name.startswith("_") and "<locals>" not in cls.__qualname__ and not cls.__module__.startswith("test"):
@@ -126,30 +151,137 @@ def _module_of(name: str) -> Any:
         return None
 
 
+def _failed_import(module_name: str) -> str | None:
+    """Why importing ``module_name`` fails when its file exists (its own code raised: a missing
+    package it imports, a syntax error, ...): ``FILE line N: Error: text``; ``None`` when there is
+    no such module, or it imports."""
+    import importlib.util
+    import traceback
+
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception:  # noqa: BLE001 - a parent package that fails: found below, by its own name
+        spec = None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    try:
+        importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - the user's module raised: report what it raised
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == spec.origin]
+        line = getattr(exc, "lineno", None) if isinstance(exc, SyntaxError) else (frames[-1].lineno if frames else None)
+        where = f"{spec.origin}{f' line {line}' if line else ''}"
+        text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        return f"{where}: {type(exc).__name__}: {text}"
+    return None
+
+
+def _import_failure(key: str, name: str) -> str | None:
+    """The line for a class path whose module (or a parent package) exists but raises on import."""
+    parts = name.split(".")[:-1]
+    for i in range(1, len(parts) + 1):
+        failure = _failed_import(".".join(parts[:i]))
+        if failure:
+            file = failure.split(":", 1)[0].split(" line ")[0]
+            return (f"{key}={name}: importing {'.'.join(parts[:i])} fails in its own code: {failure}. Fix: correct "
+                    f"{os.path.basename(file)} (or install the package it imports)")
+    return None
+
+
+def _available(key: str) -> str:
+    """The concrete classes ``key`` takes, by import path: the bundled ones and the user's imported so far."""
+    bases = {path.rsplit(".", 1)[1] for path in _BASES.get(_base_key(key), ())}
+    home = _HOMES.get(_base_key(key), "")
+    paths = []
+    for name, path in known_classes(key).items():
+        bundled = path.rpartition(".")[0] == home  # not the modules' own paths of the exported classes
+        if name not in bases and (bundled or not path.startswith("dpfl_lightning.")) and \
+                not inspect.isabstract(_import(path)):
+            paths.append(path)
+    return ", ".join(sorted(paths)[:24])
+
+
+def _not_accepted(key: str, name: str, cls: type) -> str:
+    """``name`` is a class, but not one ``key`` takes (``--model torch.nn.Linear``)."""
+    base_key = _base_key(key)
+    kind = _KINDS.get(base_key, "class of the expected type")
+    base_names = " or ".join(path.rsplit(".", 1)[1] for path in _BASES.get(base_key, ())) or kind
+    torch_nn = _import("torch.nn.Module")
+    if base_key == "model" and torch_nn is not None and issubclass(cls, torch_nn):
+        return (f"{key}={name}: a plain torch.nn.Module, not a LightningModule (it has no training_step or "
+                f"configure_optimizers). Fix: wrap it, model: {{class_path: dpfl_lightning.models.SupervisedModule, "
+                f"init_args: {{net: {{class_path: {name}, init_args: {{...}}}}, loss_fn: "
+                "torch.nn.functional.cross_entropy}}, or write a LightningModule around it")
+    available = _available(key)
+    fix = f"give {_a(kind)}: {available}" if available else f"give a subclass of {base_names}"
+    return f"{key}={name}: {cls.__name__} is not {_a(kind)} (a subclass of {base_names}). Fix: {fix}"
+
+
 def _class_not_found(key: str, name: str, detail: str = "") -> str:
     """``name`` (a short name or a class path) is not a class ``key`` accepts."""
     if "." in name:
         module = _module_of(name)
         if module is None:
+            failure = _import_failure(key, name)
+            if failure:
+                return failure
             top = name.split(".")[0]
             return (f"{key}={name}: cannot import it ({detail or 'module not found'}). Fix: check the class path; "
                     f"for your own module, run dpfl in the directory that holds {top} (or {top}.py), or add that "
                     "directory to PYTHONPATH (PYTHONPATH=path/to/dir dpfl ...)")
+        found = getattr(module, name.rsplit(".", 1)[1], None)
+        if inspect.isclass(found):
+            return _not_accepted(key, name, found)
         names = [n for n in dir(module) if not n.startswith("_")]  # dir(): lazily exported names too (PEP 562)
         here = [n for n in names if inspect.isclass(getattr(module, n, None))]
         guess = closest(name.rsplit(".", 1)[1], here)
-        fix = _did_you_mean(f"{module.__name__}.{guess}") if guess else f"{module.__name__} defines no such class"
-        return f"{key}={name}: no such class. Fix: {fix}"
+        if guess:
+            return f"{key}={name}: no such class. Fix: {_did_you_mean(f'{module.__name__}.{guess}')}"
+        available = _available(key)
+        fix = f"use one of {available}" if available else f"{module.__name__} defines no such class"
+        return f"{key}={name}: no such class in {module.__name__}. Fix: {fix}"
     known = known_classes(key)
     guess = closest(name, known)
-    fix = _did_you_mean(guess) or f"give a class path (package.module.Class) or one of {', '.join(sorted(known)[:12])}"
+    listed = ", ".join(sorted(known.values())[:24])
+    fix = _did_you_mean(guess) or f"give a class path (package.module.Class){f', one of {listed}' if listed else ''}"
     return f"{key}={name}: no such class. Fix: {fix}"
+
+
+#: the words YAML or a command line may spell a non-finite float with
+_NON_FINITE = {"nan", ".nan", "inf", "+inf", "-inf", ".inf", "+.inf", "-.inf", "infinity", "+infinity", "-infinity"}
+
+
+def _non_finite(key: str, value: str, expected: str) -> str | None:
+    if "float" in expected and value.strip().lower() in _NON_FINITE:
+        return f"{key}={value.strip()}: must be a finite number. Fix: give a finite float for {key}"
+    return None
+
+
+def _type_name(text: str) -> str:
+    """``<class 'int'>`` -> ``int``, ``<class 'NoneType'>`` -> ``null``; other type names as they are."""
+    return "null" if "NoneType" in text else re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"\1", text.strip())
+
+
+def _union_error(key: str, text: str) -> str | None:
+    """jsonargparse's "Does not validate against any of the Union subtypes": the value, the types."""
+    subtypes = re.search(r"Subtypes: \[(.*)\]", text)
+    value = re.search(r"Given value: (.*)", text)
+    if not subtypes or not value:
+        return None
+    names = [_type_name(t) for t in re.split(r",\s*(?![^\[]*\])", subtypes.group(1))]
+    expected = " or ".join(names)
+    finite = _non_finite(key, value.group(1), expected)
+    if finite:
+        return finite
+    given = re.search(r"Given value type: <class '(\w+)'>", text)
+    got = f" (got {_a(given.group(1))})" if given else ""
+    return f"{key}={value.group(1).strip()}: expected {expected}{got}. Fix: give {' or '.join(_a(n) if n != 'null' else n for n in names)}"
 
 
 def _type_error(key: str, text: str) -> str | None:
     m = re.search(r"Expected a <class '(\w+)'>\. Got value: (.*)", text)
     if m:
-        return f"{key}={m.group(2).strip()}: not {_a(m.group(1))}. Fix: give {_a(m.group(1))}"
+        return _non_finite(key, m.group(2), m.group(1)) or \
+            f"{key}={m.group(2).strip()}: not {_a(m.group(1))}. Fix: give {_a(m.group(1))}"
     m = re.search(r"Expected a ([^\n.]+?)\.? Got value: (.*)", text)
     if m:
         return f"{key}={m.group(2).strip()}: expected {m.group(1).strip()}. Fix: give such a value"
@@ -179,19 +311,34 @@ def _class_problem(key: str, class_path: str, text: str) -> str:
     return f"{key}={class_path}: {first}. Fix: see --{key}.help {class_path.rsplit('.', 1)[-1]}"
 
 
+def _class_path_block(text: str) -> tuple[str, str] | None:
+    """``(class path, what is wrong with it)`` of jsonargparse's "Problem with given class_path":
+    the lines indented below that line (a nested key's own account included)."""
+    m = re.search(r"^([ \t]*)(?:- )?Problem with given class_path '([^']+)':[ \t]*(.*)$", text, re.M)
+    if not m:
+        return None
+    indent = len(m.group(1))
+    lines = [m.group(3)] if m.group(3).strip() else []
+    for ln in text[m.end():].splitlines()[1:]:
+        if ln.strip() and len(ln) - len(ln.lstrip()) <= indent:
+            break
+        lines.append(ln)
+    return m.group(2), textwrap.dedent("\n".join(lines)).strip()
+
+
 def explain_key(key: str, text: str) -> str:
     """The line for jsonargparse's ``Parser key "KEY": TEXT``."""
     m = re.search(r"File does not exist: '([^']+)'", text)
     if m:
         return f"--{key} {m.group(1)}: no such file. Fix: give the path of an existing YAML file"
-    m = re.search(r"Problem with given class_path '([^']+)':\s*(.*?)(?:\n\s*- |\n\s*Given value|\Z)", text, re.S)
-    if m:
-        return _class_problem(key, m.group(1), m.group(2))
+    found = _class_path_block(text)
+    if found:
+        return _class_problem(key, *found)
     m = re.search(r"Expected a dot import path string: (\S+)", text) or \
         re.search(r"Expected a path but (\S+) either not accessible", text)
     if m:
         return _class_not_found(key, m.group(1))
-    typed = _type_error(key, text)
+    typed = _type_error(key, text) if "Union subtypes" not in text else _union_error(key, text)
     if typed:
         return typed
     first = next((ln.strip(" -") for ln in text.splitlines() if ln.strip(" -")), "invalid value")

@@ -71,6 +71,27 @@ def test_cli_config_errors(tmp_path, override, setting):
     _assert_clear_error(_dpfl("fit", "--config", _write(tmp_path), *override), setting, tmp_path)
 
 
+@pytest.mark.parametrize("value", [".nan", ".inf", "nan"])
+def test_a_non_finite_noise_multiplier_is_refused_naming_the_setting(tmp_path, capsys, value):
+    # YAML's .nan / .inf are floats (the plugin refuses them); a bare nan is a string (the parser does)
+    from dpfl_lightning import cli
+
+    path = _write(tmp_path)
+    with open(path) as f:
+        text = f.read().replace("      init_args: {max_norm: 1.0}\n", "      init_args: {max_norm: 1.0}\n"
+                                "    - class_path: dpfl_lightning.plugins.GaussianNoise\n"
+                                f"      init_args: {{noise_multiplier: {value}}}\n")
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", path])
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "noise_multiplier=" in line and "must be a finite number" in line and "Fix:" in line, line
+    assert ("GaussianNoise.noise_multiplier=" if value.startswith(".") else "=nan: ") in line, line
+    assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
+
+
 def test_cli_missing_data_path(tmp_path):
     cfg = _write(tmp_path, "dpfl_lightning.data.NpzFile", f"{{path: {tmp_path / 'nowhere.npz'}, num_clients: 4}}", dim=4)
     _assert_clear_error(_dpfl("fit", "--config", cfg), "data.path", tmp_path)

@@ -112,6 +112,10 @@ def broken_files(tmp_path):
     (tmp_path / "unknown_key.yaml").write_text("trainer:\n  roundz: 3\n")
     (tmp_path / "syntax.yaml").write_text("trainer:\n  rounds: [3\n")
     (tmp_path / "bad_class.yaml").write_text("trainer:\n  plugins:\n    - class_path: dpfl_lightning.plugins.UpdateClippin\n")
+    (tmp_path / "unknown_plugin.yaml").write_text("trainer:\n  plugins:\n    - class_path: dpfl_lightning.plugins.Denoiser\n")
+    (tmp_path / "wrong_type.yaml").write_text("trainer:\n  clients_per_round: ten\n")
+    (tmp_path / "nan.yaml").write_text("trainer:\n  plugins:\n    - class_path: dpfl_lightning.plugins.GaussianNoise\n"
+                                       "      init_args: {noise_multiplier: nan}\n")
     return tmp_path
 
 
@@ -129,6 +133,25 @@ def broken_files(tmp_path):
     (["--config", "{dir}/syntax.yaml"], ["--config {dir}/syntax.yaml: not valid YAML at line 3"]),
     (["--config", "{dir}/unknown_key.yaml"], ["trainer.roundz (in a --config file)", "did you mean trainer.rounds?"]),
     (["--config", "{dir}/bad_class.yaml"], ["did you mean dpfl_lightning.plugins.UpdateClipping?"]),
+    # a class that exists but is no LightningModule: say so, and how to wrap a plain nn.Module
+    (["--model", "torch.nn.Linear"], ["model=torch.nn.Linear: a plain torch.nn.Module, not a LightningModule",
+                                      "Fix: wrap it", "dpfl_lightning.models.SupervisedModule",
+                                      "net: {class_path: torch.nn.Linear"]),
+    # an unknown plugin with no close name: the plugins there are, by class path
+    (["--config", "{dir}/unknown_plugin.yaml"], ["trainer.plugins=dpfl_lightning.plugins.Denoiser: no such class",
+                                                 "Fix: use one of", "dpfl_lightning.plugins.UpdateClipping",
+                                                 "dpfl_lightning.plugins.GaussianNoise", "dpfl_lightning.plugins.DPSGD"]),
+    (["--data", "dpfl_lightning.plugins.GaussianNoise"], ["data=dpfl_lightning.plugins.GaussianNoise: GaussianNoise "
+                                                          "is not a data module", "dpfl_lightning.data.Digits"]),
+    # a wrong type, in a file or on the command line: the key, the value and the type wanted
+    (["--config", "{dir}/wrong_type.yaml"], ["trainer.clients_per_round=ten: expected int or null",
+                                             "Fix: give an int or null"]),
+    (["--trainer.clients_per_round", "ten"], ["trainer.clients_per_round=ten: expected int or null"]),
+    # NaN is a float to YAML and argparse alike: the setting must be finite
+    (["--config", "{dir}/nan.yaml"], ["noise_multiplier=nan: must be a finite number", "Fix: give a finite float"]),
+    (["--trainer.algorithm.init_args.noise_multiplier", "nan"], [
+        "trainer.algorithm.init_args.noise_multiplier=nan: must be a finite number", "Fix: give a finite float"]),
+    (["--trainer.algorithm.init_args.clip=-inf"], ["trainer.algorithm.init_args.clip=-inf: must be a finite"]),
 ])
 def test_a_bad_command_line_is_one_line_with_the_closest_valid_name(args, needles, broken_files, capsys):
     args = [a.replace("{dir}", str(broken_files)) for a in args]
@@ -141,6 +164,20 @@ def test_a_bad_command_line_is_one_line_with_the_closest_valid_name(args, needle
     assert "usage:" not in captured.err and not captured.out
     for needle in needles:
         assert needle.replace("{dir}", str(broken_files)) in lines[0]
+
+
+def test_a_model_file_whose_own_import_fails_is_reported_with_its_error(tmp_path, monkeypatch, capsys):
+    # the file is there: its own import of a missing package fails, not the directory it is in
+    (tmp_path / "brokenmodels.py").write_text("import lightning\n\nimport no_such_package_here\n\n\n"
+                                              "class Model(lightning.LightningModule):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", QUICKSTART, "--model", "brokenmodels.Model"])
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("dpfl: error: fit: model=brokenmodels.Model: importing brokenmodels fails in its own code")
+    assert f"{tmp_path / 'brokenmodels.py'} line 3: ModuleNotFoundError: No module named 'no_such_package_here'" in line
+    assert "Fix: correct brokenmodels.py" in line and "PYTHONPATH" not in line
 
 
 def test_a_misspelled_subcommand_is_one_line(capsys):

@@ -218,3 +218,21 @@ def test_a_version_is_claimed_once(tmp_path):
     os.makedirs(os.path.join(root, "version_x"))
     assert [run_files.claim_version(root) for _ in range(3)] == [5, 6, 7]
     assert run_files.versions(root) == [4, 5, 6, 7]
+
+
+def test_a_run_directory_names_its_newest_version_with_a_checkpoint(tmp_path):
+    from dpfl_lightning.evaluation import resolve_run
+
+    root = tmp_path / "quickstart"
+    for version, files in ((0, ["config.yaml", "checkpoints/last.ckpt"]),
+                           (1, ["config.yaml", "checkpoints/final.ckpt", "checkpoints/last.ckpt"]),
+                           (2, ["config.yaml"])):  # the newest stopped before its first checkpoint
+        for name in files:
+            (root / f"version_{version}" / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / f"version_{version}" / name).write_text("x")
+    v1 = root / "version_1"
+    assert resolve_run(str(root)) == (str(v1 / "config.yaml"), str(v1 / "checkpoints" / "final.ckpt"))
+    v0 = root / "version_0"
+    assert resolve_run(str(v0)) == (str(v0 / "config.yaml"), str(v0 / "checkpoints" / "last.ckpt"))
+    assert resolve_run(str(v0 / "checkpoints" / "last.ckpt"))[0] == str(v0 / "config.yaml")
+    assert resolve_run(str(root / "version_2")) == (str(root / "version_2" / "config.yaml"), None)

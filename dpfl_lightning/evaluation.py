@@ -109,7 +109,7 @@ def run_directory(path: str) -> str | None:
     the version whose ``checkpoints/`` holds it (a checkpoint in an older run's shared
     ``<run>/checkpoints``: that run's newest version)."""
     if os.path.isfile(path):
-        path = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # <run>/version_N/checkpoints/x.ckpt -> version_N
+        path = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # <run>/version_N/checkpoints/x -> version_N
     if not os.path.isdir(path):
         return None
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
@@ -181,7 +181,8 @@ def default_checkpoint(trainer: Any) -> str:
     if found is None:
         where = trainer.settings.checkpoint_dir or os.path.join(root, "version_*", run_files.CHECKPOINTS)
         raise ConfigError("--ckpt_path", None, f"not given, and the configuration's run left no checkpoint in {where}",
-                          "pass --ckpt_path (a checkpoint file or a run directory such as runs/quickstart), or fit first")
+                          "pass --ckpt_path (a checkpoint file or a run directory such as runs/quickstart), or fit "
+                          "first")
     return found
 
 

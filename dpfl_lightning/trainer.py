@@ -215,7 +215,7 @@ class FederatedTrainer:
                              doc="This rank's per-client states by client id (control variates).")
     final_metrics = property(lambda self: dict(self.history[-1]) if self.history else {})
     checkpoint_dir = property(lambda self: self.status.checkpoint_dir or planned_checkpoint_dir(self.settings),
-                              doc="Where the fit's checkpoints go (``checkpoint_dir``, else its ``version_N/checkpoints``).")
+                              doc="Where the fit's checkpoints go (``checkpoint_dir`` or ``version_N/checkpoints``).")
     csv_log_dir = property(lambda self: self.status.written_csv_log_dir(), doc="Rank 0's ``version_N`` directory.")
 
     def client_state(self, client: int) -> dict[str, Any]:
@@ -326,8 +326,9 @@ class FederatedTrainer:
         return self._stage("predict", model, dataloaders, datamodule, ckpt_path, return_predictions=return_predictions)
 
     def _stage(self, stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any, **kw: Any) -> Any:
-        return run_stage(stage, model, dataloaders, datamodule, ckpt_path, settings=self.settings, fitted=self.module,
-                         data=self.data, checkpoint_dir=self.checkpoint_dir, callbacks=self.callbacks, rank=self.rank, **kw)
+        return run_stage(stage, model, dataloaders, datamodule, ckpt_path, settings=self.settings, rank=self.rank,
+                         fitted=self.module, data=self.data, checkpoints=self.checkpoint_dir, callbacks=self.callbacks,
+                         **kw)
 
     # ------------------------------------------------------------------ the round loop
     def _rounds(self, start: int, loggers: list[Any], progress: RoundProgress, lightning_run: LightningRun,
@@ -394,7 +395,6 @@ class FederatedTrainer:
         self._checkpoints.save(path, self.current_round + 1 if rounds_done is None else rounds_done)
 
     def save_lightning_checkpoint(self, path: str, epoch: int | None = None, global_step: int | None = None) -> str:
-        """Write the global model as a Lightning checkpoint that ``MyModule.load_from_checkpoint(path)``
-        loads (rank 0 writes; every rank must call this). ``epoch`` defaults to the rounds done and
-        ``global_step`` to the reference client's steps by then (see :mod:`dpfl_lightning.export`)."""
+        """The global model as a Lightning checkpoint ``MyModule.load_from_checkpoint(path)`` loads (rank 0 writes;
+        every rank calls this); ``epoch``: default the rounds done, ``global_step``: the reference client's steps."""
         return write_lightning_checkpoint(self.module, self.data, self.comm, path, self.history, epoch, global_step)

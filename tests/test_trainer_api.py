@@ -106,7 +106,8 @@ def test_validate_test_and_predict_return_what_lightning_returns_on_the_trained_
     assert isinstance(got, list) and all(isinstance(p, torch.Tensor) for p in got)
     torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=0, atol=1e-6)
     # the module fit returned, given explicitly, with the data given as Lightning takes it
-    _same_metrics(trainer.test(module, dataloaders=test, verbose=False), _lightning().test(reference, test, verbose=False))
+    want = _lightning().test(reference, test, verbose=False)
+    _same_metrics(trainer.test(module, dataloaders=test, verbose=False), want)
 
 
 def test_ckpt_path_loads_a_round_checkpoint_last_or_a_file(trained):

@@ -94,11 +94,11 @@ def stage_checkpoint(stage: str, ckpt_path: str | None, model_given: bool, check
 
 def run_stage(stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: str | None, *,
               settings: TrainerSettings, fitted: FederatedLightningModule | None, data: FederatedDataModule | None,
-              checkpoint_dir: str, callbacks: list[Any], rank: int, **options: Any) -> Any:
-    """``validate``, ``test`` or ``predict`` (see the module docstring); ``options``: ``verbose`` or
-    ``return_predictions``, as Lightning takes them."""
+              checkpoints: str, callbacks: list[Any], rank: int, **options: Any) -> Any:
+    """``validate``, ``test`` or ``predict`` (see the module docstring; ``checkpoints``: the run's checkpoint
+    directory); ``options``: ``verbose`` or ``return_predictions``, as Lightning takes them."""
     module = stage_model(stage, model, fitted)
-    path = stage_checkpoint(stage, ckpt_path, model is not None, checkpoint_dir, callbacks)
+    path = stage_checkpoint(stage, ckpt_path, model is not None, checkpoints, callbacks)
     if dataloaders is None and datamodule is None:
         require(data is not None, "datamodule", None, "not given, and this trainer has not fit on any data",
                 f"pass the data: trainer.{stage}(model, datamodule=...)")
@@ -106,5 +106,5 @@ def run_stage(stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_pa
     if "verbose" in options:
         options["verbose"] = options["verbose"] and rank == 0
     return run_lightning_stage(stage, module, datamodule=datamodule, dataloaders=dataloaders, ckpt_path=path,
-                               accelerator=settings.accelerator, progress_bar=settings.enable_progress_bar and rank == 0,
-                               **options)
+                               accelerator=settings.accelerator,
+                               progress_bar=settings.enable_progress_bar and rank == 0, **options)

@@ -1,12 +1,14 @@
 """Frozen parameters: what is not trained in a round is not part of that round's update.
 
 A parameter with ``requires_grad=False`` when a round starts (a pretrained backbone under a trained
-head, a layer a schedule unfreezes later) is left out of the round's update: its entries of every
-client's update are zeroed before any bound is applied (so they are neither clipped nor sent, even
-if a hook unfreezes the layer during local training), no noise is added to them, and the server
-step leaves them as they are. The sensitivity is unchanged (the bound applies to the trainable
-part) and the noise dimension is the trainable part's. A parameter unfrozen later joins the update
-from the round that starts with it trainable.
+head, a layer a schedule unfreezes later) is left out of the round's update in a private run: a
+client's payload holds the trainable entries only (so frozen ones are neither clipped, noised nor
+sent, even if a hook unfreezes the layer during local training; a LoRA model all-reduces its
+adapter alone), and the server step leaves frozen parameters as they are. The sensitivity is
+unchanged (the bound applies to the trainable part) and the noise dimension is the trainable
+part's. A parameter unfrozen later joins the update from the round that starts with it trainable.
+A run without DP sends the whole update (frozen entries are zero), so a layer the module unfreezes
+during local training trains in that round, as under ``lightning.Trainer``.
 
 The round's plan carries the mask (``RoundPlan.trainable``): ``None`` when every parameter is
 trainable, which costs nothing and leaves every result as it was.

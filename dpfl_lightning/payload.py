@@ -97,19 +97,20 @@ class PayloadLayout:
 
 
 def full_update(update: torch.Tensor, trainable: torch.Tensor | None) -> torch.Tensor:
-    """A client's ``update`` segment at the length of the flat parameters: itself when every
-    parameter is trainable (``trainable`` is ``None``), else a new vector, zero at the frozen
-    entries and ``update`` at the trainable ones (``trainable``: the round's mask,
-    ``client.plan.trainable``)."""
-    if trainable is None:
+    """A client's ``update`` segment at the length of the flat parameters: itself when it already
+    has that length (every parameter trainable, ``trainable`` is ``None``, or a run without DP, whose
+    payload is never restricted), else a new vector, zero at the frozen entries and ``update`` at the
+    trainable ones (``trainable``: the round's mask, ``client.plan.trainable``)."""
+    if trainable is None or update.numel() == trainable.numel():
         return update
     return update.new_zeros(trainable.numel()).masked_scatter_(trainable, update)
 
 
-def trainable_part(vector: torch.Tensor, trainable: torch.Tensor | None) -> torch.Tensor:
-    """The entries of a vector over the flat parameters that a client's ``update`` segment holds:
-    ``vector`` itself when every parameter is trainable, else its trainable entries (a copy)."""
-    return vector if trainable is None else vector[trainable]
+def trainable_part(vector: torch.Tensor, trainable: torch.Tensor | None, length: int) -> torch.Tensor:
+    """The entries of a vector over the flat parameters that a client's ``update`` segment of
+    ``length`` entries holds: ``vector`` itself when the segment is at full length, else its
+    trainable entries (a copy)."""
+    return vector if trainable is None or length == vector.numel() else vector[trainable]
 
 
 class Aggregate:

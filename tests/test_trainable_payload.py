@@ -1,5 +1,5 @@
 """A client with frozen parameters sends and sums the trainable part of its update only: for a
-LoRA-like model (a frozen base, a small adapter) the all-reduce carries the adapter's entries, the
+LoRA-like model (a frozen base, a small adapter) the all-reduce of a private run carries the adapter's entries, the
 trained model is the one a run that sends zeros for the frozen entries reaches, the noise falls on
 the trainable entries only, and a layer unfrozen between rounds joins the payload."""
 
@@ -118,7 +118,9 @@ def test_the_trained_model_is_the_one_sending_zeros_for_frozen_entries_reaches(l
     _fit(log_dir, frozen, comm=sent_f, plugins=plugins(), **sampling)
     reference = LoRANet(frozen=False)
     _fit(log_dir, reference, comm=sent_r, plugins=plugins(), **sampling)
-    assert max(sent_f.sums) < max(sent_r.sums)  # the frozen run sent less
+    # a run without DP sends the whole update, zeros at frozen entries (a layer the module unfreezes
+    # during local training then trains in that round, as under lightning.Trainer: test_lightning_oracle)
+    assert sent_f.sums == sent_r.sums
     assert torch.equal(_flat(frozen.base_parameters()), base)  # bit-identical
     assert torch.equal(_flat(reference.base_parameters()), base)
     for (name, p), q in zip(frozen.named_parameters(), reference.parameters()):

@@ -182,7 +182,7 @@ class CanaryClients(FederatedCallback):
             segment.zero_()
         if bool(self.is_inserted[canary]):
             update = client.payload[UPDATE]
-            update.copy_(trainable_part(self.direction(canary), client.plan.trainable))  # as the update: no frozen entry
+            update.copy_(trainable_part(self.direction(canary), client.plan.trainable, update.numel()))  # as the update: no frozen entry
             bound = min(get() for get in self._bounds) if self._bounds else self.norm
             scale_to_norm_([update], bound, only_if_above=False)  # at most C_t: every bound-derived bit agrees
 

@@ -1,6 +1,6 @@
 """The client phase of a round, one way: the executor trains a client into a row of the
-aggregator (with frozen parameters, the row takes the update's trainable entries only: frozen
-parameters are not part of the update); the raw update is checked finite (a non-finite one is replaced by zeros and the client
+aggregator (with frozen parameters in a private run, the row takes the update's trainable entries
+only: frozen parameters are not part of the update); the raw update is checked finite (a non-finite one is replaced by zeros and the client
 marked ``skipped`` before any plugin sees it); the plugins' ``on_client_end`` bound and noise the
 payload, once; the row is folded into the rank's sum."""
 
@@ -42,10 +42,14 @@ class ClientPhase:
         self.plan: RoundPlan | None = None
 
     def work(self, plan: RoundPlan, clients: list[int]) -> RoundWork:
-        """What the executor trains this round; the aggregator's rows hold the trainable entries of
-        the plan's parameters (all of them when ``plan.trainable`` is ``None``)."""
+        """What the executor trains this round. In a private run the aggregator's rows hold the
+        trainable entries of the plan's parameters only (all of them when ``plan.trainable`` is
+        ``None``): what is bounded, noised and sent. A run without DP sends the whole update, frozen
+        entries zero, so that a layer the module unfreezes during local training (Lightning's
+        ``BackboneFinetuning`` recipe, in ``on_train_epoch_start``) trains in that round as under
+        ``lightning.Trainer``."""
         self.plan = plan
-        self.aggregator.restrict(plan.trainable)
+        self.aggregator.restrict(plan.trainable if self.private else None)
         return RoundWork(self.module, self.data, plan, clients, self.random, self, self.aggregator.update_rows)
 
     # ------------------------------------------------------------------ the executor's client hooks

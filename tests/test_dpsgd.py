@@ -133,6 +133,23 @@ def test_target_epsilon_for_every_client(log_dir):
     assert 2.0 * 0.99 <= trainer.history[-1]["epsilon"] <= 2.0
 
 
+def test_an_unreachable_target_warns_with_the_target_and_the_calibrated_std(log_dir):
+    """As GaussianNoise's (tests/test_noise.py): a legal, private run that learns nothing says so."""
+    dpsgd = DPSGD(target_epsilon=1e-6, delta=1e-4, max_grad_norm=0.5)
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=3, batch_size=4, plugins=[dpsgd])
+    with pytest.warns(RuntimeWarning, match=r"^DPSGD: target_epsilon=1e-06 \(delta=0\.0001\) calibrates") as got:
+        trainer.fit(TinyClassifier(), tiny_data(num_clients=6, samples=18))
+    (message,) = [str(w.message) for w in got if "calibrates" in str(w.message)]
+    assert dpsgd.noise_multiplier >= 100
+    assert f"the noise std is {dpsgd.noise_multiplier:.4g}x the clip norm" in message
+
+
+def test_a_reachable_target_or_usual_multiplier_does_not_warn(log_dir, recwarn):
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=3, batch_size=4, plugins=[DPSGD(noise_multiplier=1.0)])
+    trainer.fit(TinyClassifier(), tiny_data(num_clients=6, samples=18))
+    assert not [w for w in recwarn if "clip norm" in str(w.message)]
+
+
 class WithBatchNorm(TinyClassifier):
     def __init__(self):
         super().__init__()

@@ -202,6 +202,9 @@ class DPSGD(CalibratedNoise, FederatedCallback):
 
     def on_fit_start(self, *, ctx) -> None:
         self._outer_error = sys.exc_info()[1]  # (fit called inside an except block: not this run's failure)
+        if ctx.is_global_zero:  # (calibrated by now: a target's warning names the target and the std it gave)
+            self.warn_if_useless("DPSGD", self.noise_multiplier, self.max_grad_norm, "raise target_epsilon (or "
+                                 "delta), use larger batches or fewer local steps, or train fewer rounds")
         if ctx.model is not None and self._grad_sample_module is None:
             # Hooks on the layers: the module's own training_step computes per-record gradients. Set
             # here, not in setup, so that a run failing during set-up leaves no hooks on the model.

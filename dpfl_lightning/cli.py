@@ -24,6 +24,11 @@ directory, or a checkpoint with ``--config``) under ``lightning.Trainer``, see
 :mod:`dpfl_lightning.evaluation`. Bad input ends with one line naming the setting, what is wrong
 and the fix (the closest valid option or class), and exit status 2 (:mod:`dpfl_lightning.cli_errors`).
 
+Start-up: ``main`` builds only the parser of the subcommand named (the parsers of ``fit``,
+``validate``, ``test``, ``predict``, ``audit`` and ``privacy epsilon`` come from signatures and
+import torch and Lightning); ``dpfl --version``, every ``dpfl SUB --help`` (from
+:mod:`dpfl_lightning.cli_help`) and ``dpfl privacy calibrate | plan | theory`` import neither.
+
 Other subcommands: ``dpfl privacy ...`` (accounting without training), ``dpfl sweep SWEEP.yaml``
 (every configuration of a W&B-format sweep file as its own run, see :mod:`dpfl_lightning.sweep`)
 and ``dpfl report RUNS_DIR`` (plots and tables from the runs' CSV logs, see

@@ -53,8 +53,11 @@ The position moves over a round in one of two ways:
   have, the run says so once with a ``RuntimeWarning``: clients of a round that ended in different
   states (a learning rate set from the data), clients of ``S`` steps that took no part in the
   previous round while the module moves their state (partial participation, clients of different
-  sizes), ``configure_optimizers`` returning another structure, and any such change in a DP run,
-  where what a client's training decides stays with the client.
+  sizes), ``configure_optimizers`` returning another structure. A DP run never says what its
+  clients' training did (whether a client ended off the schedule depends on its data): it says at
+  set-up, from the module's code (it overrides ``optimizer_step``, ``lr_scheduler_step`` or
+  ``on_train_batch_start``, or optimizes manually), that what a client's training decides stays
+  with the client.
 
 The schedule alone places the schedulers exactly where that Lightning run would have them (the
 scheduler objects are stepped on a copy, with no data):
@@ -225,10 +228,11 @@ _SCHEDULE_KEY = "dpfl_lightning.schedule"
 
 # what the run says, once, where a client's optimizers cannot continue as one lightning.Trainer run's would
 _DIFFERS = {
-    "private": "the module changed its optimizers' state in local training (global_step, a learning rate, a "
-               "scheduler's state: a warm-up in optimizer_step, an epoch ended early, several optimizers or schedulers "
-               "stepped by the module); in a DP run what a client's training decides stays with the client, so every "
-               "client starts the next round where the schedule places it",
+    "private": "the module {hooks}, where it can change its optimizers' state in local training (global_step, a "
+               "learning rate, a scheduler's state: a warm-up in optimizer_step, an epoch ended early, several "
+               "optimizers or schedulers stepped by the module); in a DP run what a client's training decides stays "
+               "with the client, so every client starts each round where the schedule places it (said at set-up from "
+               "the module's code: what the clients' training did is never said)",
     "differ": "the clients of a round ended their local training in different optimizer states (global_step, learning "
               "rates or scheduler states depend on their data or size), so the next round's clients start where the "
               "schedule places them",
@@ -242,6 +246,21 @@ _DIFFERS = {
                  "the round's validation of the aggregated model (lightning.Trainer validates first), so validation "
                  "metrics it reads (self.trainer.callback_metrics) are the previous round's",
 }
+
+
+#: hooks in which a module usually changes its optimizers' state during local training
+_STATE_HOOKS = ("optimizer_step", "lr_scheduler_step", "on_train_batch_start")
+
+
+def optimizer_state_hooks(inner: Any) -> list[str]:
+    """What in ``inner``'s code can move its optimizers off the schedule in local training: the
+    overridden hooks of :data:`_STATE_HOOKS`, and manual optimization (``training_step`` steps the
+    optimizers itself). A DP run says it at set-up from these, never from what clients did."""
+    hooks = [hook for hook in _STATE_HOOKS if is_overridden(inner, hook)]
+    found = [f"overrides {', '.join(hooks)}"] if hooks else []
+    if not bool(getattr(inner, "automatic_optimization", True)):
+        found.append("steps its optimizers in training_step (manual optimization)")
+    return found
 
 
 class LightningRun:
@@ -324,6 +343,9 @@ class LightningRun:
         module.check_optimizers()  # (and the plugins' rules on the optimizers, e.g. DPSGD's)
         if is_overridden(module.inner, "on_train_epoch_end") and module.has_validation_step and self.is_global_zero:
             self._say("epoch_end")
+        hooks = optimizer_state_hooks(module.inner)
+        if self.releases is not None and self.releases.private and hooks and self.is_global_zero:
+            self._say("private", hooks=" and ".join(hooks))
         self._check_data()
 
     def _check_data(self) -> None:
@@ -411,13 +433,13 @@ class LightningRun:
     def _take_round_ends(self, round_idx: int) -> None:
         """Where the round's clients all ended their local training in the same optimizer state that
         the schedule alone does not give, the next round's clients continue from it (one Lightning
-        run's position; see :mod:`dpfl_lightning.schedule`); not in a DP run. Otherwise the run says,
-        once, what differs from lightning.Trainer."""
+        run's position; see :mod:`dpfl_lightning.schedule`); not in a DP run, which says nothing here:
+        whether a client ended off the schedule depends on its data (:meth:`check` said at set-up, from
+        the module's code, that clients start on the schedule). Otherwise the run says, once, what
+        differs from lightning.Trainer."""
         module = self.module
         ends = module.round_ends_of_clients()
         if self.releases.private:
-            if any(end is not None for end in ends.values()):
-                self._say("private")
             return
         comm = self.comm
         if comm is not None and comm.size > 1:
@@ -430,11 +452,12 @@ class LightningRun:
         for kind in sorted(module.notes):
             self._say(kind)
 
-    def _say(self, kind: str) -> None:
+    def _say(self, kind: str, **detail: str) -> None:
         if kind in self._said:
             return
         self._said.add(kind)
-        warnings.warn(f"lightning.Trainer would differ: {_DIFFERS[kind]}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"lightning.Trainer would differ: {_DIFFERS[kind].format(**detail)}", RuntimeWarning,
+                      stacklevel=3)
 
     def _merge_logs(self, metrics: dict[str, float], kinds: dict[str, str]) -> None:
         if self.adapter is None:

@@ -189,14 +189,36 @@ def test_learning_rates_the_module_sets_carry_across_rounds_like_one_lightning_r
     assert [lr for r, g, lr in model.seen if g == S] == [pytest.approx(_warm_lr(S))] * 2  # not the base rate
 
 
-def test_a_dp_run_keeps_what_a_client_decides_and_says_so(log_dir):
+def test_a_dp_run_keeps_what_a_client_decides_and_says_so_at_set_up(log_dir):
     S = 3
     model = WarmUp()
     trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=2, local_steps=S, plugins=DP_FEDAVG())
-    with pytest.warns(RuntimeWarning, match="lightning.Trainer would differ: .*in a DP run what a client's training "
-                                            "decides stays with the client"):
+    with pytest.warns(RuntimeWarning, match="lightning.Trainer would differ: the module overrides optimizer_step, .*"
+                                            "in a DP run what a client's training decides stays with the client") as w:
         trainer.fit(model, tiny_data(num_clients=5))
+    said = [x for x in w if "would differ" in str(x.message)]
+    assert len(said) == 1 and said[0].filename.endswith("trainer.py")  # at set-up, not from a round's end
     assert [lr for r, g, lr in model.seen if g % S == 0] == [0.1] * 6  # every round starts on the schedule
+
+
+class DataDependentLr(LrSpy):
+    """Changes its learning rate from the data in training_step, through no hook a DP run reads."""
+
+    def training_step(self, batch, batch_idx):
+        for pg in self.trainer.optimizers[0].param_groups:
+            pg["lr"] = float(batch[0].abs().mean()) / 10
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_dp_run_says_nothing_from_what_its_clients_did(log_dir):
+    """Clients that end off the schedule are never said in a DP run: only the module's code is read."""
+    model = DataDependentLr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        quiet_trainer(log_dir, rounds=3, clients_per_round=3, local_steps=2, plugins=DP_FEDAVG()).fit(
+            model, tiny_data(num_clients=5))
+    with pytest.warns(RuntimeWarning, match="ended their local training in different optimizer states"):
+        quiet_trainer(log_dir, rounds=3, clients_per_round=3, local_steps=2).fit(DataDependentLr(), tiny_data(5))
 
 
 class LrFromData(LrSpy):

@@ -157,19 +157,41 @@ def test_client_batches_keep_the_layout_of_the_stored_tensors():
         assert yb.is_contiguous()
 
 
-def test_nan_records_are_reported_at_set_up_without_naming_them():
+def _nan_data():
     x = torch.randn(40, 6)
     x[8, 2] = float("nan")
     x[13, 0] = float("inf")
-    data = FederatedDataModule.from_tensors(x, torch.arange(40) % 3, num_clients=4, partition="iid")
+    return FederatedDataModule.from_tensors(x, torch.arange(40) % 3, num_clients=4, partition="iid")
+
+
+def test_nan_records_are_reported_before_training_without_naming_them():
+    data = _nan_data()
     with pytest.warns(UserWarning, match=r"2 training record\(s\) hold NaN or inf values") as caught:
-        data.setup()
+        data.warn_nonfinite(private=False)
     message = str(caught[0].message)
     assert "client" not in message.split("hold")[0] and "row" not in message  # how many, not which
-    clean = FederatedDataModule.from_tensors(torch.randn(40, 6), torch.arange(40) % 3, num_clients=4, partition="iid")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        clean.setup()
+        data.warn_nonfinite(private=False)  # once
+        clean = FederatedDataModule.from_tensors(torch.randn(40, 6), torch.arange(40) % 3, num_clients=4,
+                                                 partition="iid")
+        clean.warn_nonfinite(private=False)
+
+
+def test_a_dp_run_says_only_that_some_records_are_not_finite(log_dir):
+    """The count would change with one client's data: a DP run says 'some', a run without DP counts."""
+    from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+    from helpers import TinyClassifier, quiet_trainer
+
+    for plugins, said in (([UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)], "some training records hold"),
+                          ([], "2 training record(s) hold")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_trainer(log_dir, rounds=1, on_nonfinite="skip", plugins=plugins).fit(
+                TinyClassifier(in_features=6, num_classes=3), _nan_data())
+        nan = [str(w.message) for w in caught if "NaN or inf" in str(w.message)]
+        assert len(nan) == 1 and said in nan[0], nan
+        assert plugins == [] or not any(ch.isdigit() for ch in nan[0].split("NaN")[0]), nan
 
 
 def test_npz_client_ids_with_gaps_are_renumbered_and_said(tmp_path):

@@ -266,19 +266,35 @@ class FederatedDataModule:
         self._ready = True
 
     def _check_finite(self) -> None:
-        """Say at set-up, not when their client is first sampled, that records held in memory hold NaN or
-        inf: those clients' updates will not be finite (``trainer.on_nonfinite`` then stops the run or
-        skips them). Says how many records, not which records or clients."""
+        """Count, at set-up, the records held in memory that hold NaN or inf (by split): their clients'
+        updates will not be finite. The run says so before training (:meth:`warn_nonfinite`)."""
+        self._nonfinite: dict[str, int] = {}
         for split, tensors in (("training", self._train_tensors), ("test", self._test_tensors),
                                ("validation", self._val_tensors)):
             bad = sum(int((~torch.isfinite(t)).reshape(len(t), -1).any(1).sum()) for t in tensors or ()
                       if t.is_floating_point() and t.dim() and not bool(torch.isfinite(t).all()))
             if bad:
-                setting, value = self._source_setting()
-                warnings.warn(f"{setting}={value}: {bad} {split} record(s) hold NaN or inf values; the clients that "
-                              "train on them send non-finite updates (trainer.on_nonfinite='raise' stops the run when "
-                              "one is first sampled, 'skip' leaves them out). Fix: clean the data before training",
-                              UserWarning, stacklevel=3)
+                self._nonfinite[split] = bad
+        self._nonfinite_said = False
+
+    def warn_nonfinite(self, private: bool) -> None:
+        """Say once, before training (a fit calls this after set-up, on rank 0), that records held in
+        memory hold NaN or inf: the clients that train on them send non-finite updates
+        (``trainer.on_nonfinite`` then stops the run or skips them). Never which records or clients;
+        how many only outside a DP run: in a DP run the count would change with one client's data,
+        so the run says only that some records are not finite (the threat model: README, "What the
+        guarantee assumes")."""
+        self.setup()
+        found = getattr(self, "_nonfinite", None)
+        if not found or getattr(self, "_nonfinite_said", False):
+            return
+        self._nonfinite_said = True
+        setting, value = self._source_setting()
+        for split, bad in found.items():
+            what = f"some {split} records hold" if private else f"{bad} {split} record(s) hold"
+            warnings.warn(f"{setting}={value}: {what} NaN or inf values; the clients that train on them send "
+                          "non-finite updates (trainer.on_nonfinite='raise' stops the run when one is first sampled, "
+                          "'skip' leaves them out). Fix: clean the data before training", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ label range
     _label_limits: tuple[tuple[int, str], ...] = ()

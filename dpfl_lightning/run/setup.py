@@ -245,6 +245,27 @@ def _check_private_run(settings: TrainerSettings, ctx: SetupContext, layout: Pay
     check_coverage(checked, covered, record_level, locally)
 
 
+def warn_local_noise_without_local_guarantee(mechanisms: list) -> None:
+    """Local noise next to a central mechanism buys no guarantee towards the server: the server sees
+    the centrally noised segment of each client in the clear (``AdaptiveClip``'s clip bit with its
+    default central count), so the run can report only the guarantee towards those who see the models
+    (trusted aggregator). Said at set-up, naming the mechanisms; the ledger reports what is used."""
+    client = [m for m in mechanisms if m.granularity == "client"]
+    local = sorted({m.source for m in client if m.placement == "local"})
+    central = [m for m in client if m.placement == "central"]
+    if not local or not central:
+        return
+    clear = ", ".join(sorted({f"{m.source}'s {'/'.join(m.covers)}" for m in central}))
+    warnings.warn(f"{', '.join(local)}: placement='local' gives no local DP in this run: {clear} "
+                  f"{'is' if len(central) == 1 else 'are'} noised centrally, so each client sends {clear} to the "
+                  "server un-noised and the ledger reports only client-level DP towards anyone who sees the models "
+                  "(client_central, trusted aggregator), with no guarantee towards the server. For a guarantee "
+                  "towards the server, noise every segment a client sends at the client: a fixed UpdateClipping "
+                  "instead of AdaptiveClip (local DP), or AdaptiveClip(placement='distributed') (DP towards a server "
+                  "that sees only the securely aggregated sum)",
+                  RuntimeWarning, stacklevel=4)
+
+
 def _notes(settings: TrainerSettings, data: Any, layout: PayloadLayout, opt_in: bool) -> list[str]:
     notes = []
     if settings.secure:
@@ -333,6 +354,10 @@ def build_run(settings: TrainerSettings, comm: Communicator, module: Any, data: 
     releases.declare(MetricRelease("round", "public", "trainer"))
     if private:
         _check_private_run(settings, ctx, layout, opt_in)
+        if comm.rank == 0:
+            warn_local_noise_without_local_guarantee(ctx.mechanisms)
+    if comm.rank == 0:
+        data.warn_nonfinite(private)
     notes = _notes(settings, data, layout, opt_in) if private else []
     template = {"local_steps": settings.local_steps, "local_epochs": settings.local_epochs,
                 "batch_size": settings.batch_size, "client_lr_decay": settings.client_lr_decay}

@@ -439,7 +439,8 @@ def epsilon_columns(ledger: Any) -> dict[str, dict[str, Any]]:
     for g in getattr(ledger, "guarantees", None) or []:
         column = "epsilon" if g.name == main else f"epsilon_{g.name}"
         out[column] = {"guarantee": g.name, "granularity": g.granularity, "audience": g.audience,
-                       "towards": _towards(g.description), "delta": ledger.delta, "description": g.description}
+                       "towards": _towards(g.description), "delta": ledger.delta, "description": g.description,
+                       "accountant": ledger.accountant_of(g.name)[0] if hasattr(ledger, "accountant_of") else None}
     return out
 
 
@@ -470,6 +471,8 @@ def epsilon_notes(ledger: Any) -> dict[str, str]:
             parts.append(f"delta={delta_text(info['delta'])}")
         towards = AUDIENCES.get(info["audience"]) or info["towards"]
         parts += [towards] if towards else []
+        if info.get("accountant") not in (None, getattr(ledger, "accountant", None)):  # asked for another one
+            parts.append(f"{info['accountant']} accountant, not {ledger.accountant}")
         out[column] = f"({', '.join(parts)})"
     return out
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.base import ORDER_LEDGER, FederatedCallback
-from dpfl_lightning.privacy.accountants import PLD_DISCRETIZATION, create_accountant, epsilon
+from dpfl_lightning.privacy.accountants import PLD_DISCRETIZATION, accountant_used, create_accountant, epsilon
 from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.releases import MetricRelease
@@ -215,6 +215,14 @@ class PrivacyLedger(FederatedCallback):
                 busiest[g.name] = [m * s for m, s in zip(self._maxima(g, planned), steps)]
         return self.epsilons(rounds, busiest)
 
+    def accountant_of(self, name: str) -> tuple[str, str | None]:
+        """The accountant that gives guarantee ``name``'s epsilon, and why it is not the one asked for
+        (``None`` when it is): RDP's bound where the asked accountant cannot account the release
+        (PLD and PRV with sampling without replacement, say)."""
+        g = next(g for g in self.guarantees if g.name == name)
+        used = [accountant_used(p.release, self.accountant) for p in g.profiles]
+        return next(((a, why) for a, why in used if why is not None), used[0])
+
     def describe(self) -> list[str]:
         lines = []
         for g in self.guarantees:
@@ -228,8 +236,10 @@ class PrivacyLedger(FederatedCallback):
             if g.per_client:
                 counted = "; participations bounded by a binomial tail (secure mode)" if self.secure else \
                     "; worst client's participations"
+            used, why = self.accountant_of(g.name)
+            accountant = f"{used} accountant" + (f" ({self.accountant} was asked for; {why})" if why else "")
             lines.append(f"{g.description}; {sampling}, {relation} neighbours, {noise}{counted}; "
-                         f"{self.accountant} accountant, delta={self.delta:g}")
+                         f"{accountant}, delta={self.delta:g}")
         return lines
 
     # ------------------------------------------------------------------ hooks

@@ -327,6 +327,13 @@ def create_accountant(name: str, setting: str = "privacy.accountant") -> Account
     return ACCOUNTANTS[name]()
 
 
+def accountant_used(release: Release, accountant: str) -> tuple[str, str | None]:
+    """The accountant that gives ``release``'s epsilon when ``accountant`` is asked for: itself, or
+    ``rdp`` with the reason where it cannot account the release (:meth:`Accountant.unsupported`)."""
+    reason = create_accountant(accountant).unsupported(release)
+    return ("rdp", reason) if reason is not None else (accountant, None)
+
+
 def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
             pld_discretization: float = PLD_DISCRETIZATION) -> Epsilon:
     """Epsilon at ``delta`` after ``steps`` compositions of ``release``."""

@@ -1,30 +1,39 @@
 """CanaryClients: canary clients for an empirical privacy audit of a run, as it is configured.
 
-A canary's update is a fixed random direction ``u_i`` (isotropic, unit norm) scaled to the clip bound
-in force, ``C_t u_i``. The run's own plugins clip and noise it as any update (this plugin runs after
-local training and before the bounding plugins: ``ORDER_BOUND_SENSITIVITY - 10``), so the noise the
-canary meets is the noise the configuration really adds. After every round each canary is scored by
-the cosine of ``u_i`` with the model's movement:
+A canary's update is a fixed random direction ``u_i`` (isotropic, unit norm) scaled far above the clip
+bound in force, ``boost * C_t u_i`` (``boost = 100`` by default). The run's own plugins bound and noise
+it as any update (this plugin runs after local training and before the bounding plugins:
+``ORDER_BOUND_SENSITIVITY - 10``), so a clip that does not clip -- skipped for some clients, or at a
+bound larger than the one declared -- lets ``100 C_t`` through and shows, and the noise the canary
+meets is the noise the configuration really adds. Scores, one per threat model:
 
-- final model (threat model: only the final model is seen): ``cos(u_i, theta_T - theta_0)``;
-- every round's model (threat model: every round's model is seen): ``max_t cos(u_i, theta_t -
-  theta_{t-1})``, the max-statistic of Andrew et al. (2024).
+- ``final`` (only the final model is seen): ``cos(u_i, theta_T - theta_0)``;
+- ``rounds`` (every round's model is seen): ``max_t cos(u_i, theta_t - theta_{t-1})``, the
+  max-statistic of Andrew et al. (2024);
+- ``messages`` (what the server sees, for local and distributed noise only): the sum over the rounds
+  slot ``i`` took part in of ``<u_i, message_t> / C_t``, over the square root of their count. The
+  message is the slot's own noised payload for local noise (read after the noise by
+  :meth:`CanaryClients.message_reader`, a second plugin to add to the run, and summed over the cohort
+  in a ``released`` payload segment, one value per canary) and the securely aggregated, noised sum
+  for distributed noise. Its guarantee is the ledger's guarantee towards the server.
 
 How canaries take part. ``canaries = m`` client ids, drawn once from the seed, are *canary slots*: they
 never send their own data. Canary ``i`` lives on slot ``i`` and is *inserted* with probability 1/2
 (a coin keyed by the seed; ``inserted="all"`` / ``"none"`` for the in and out worlds of a many-run
-audit). An inserted canary's slot sends ``C_t u_i``; the slot of a canary left out sends a zero update.
-Slots are sampled like every client, by the run's sampler, so the population and sampling rate are
-exactly the ones the ledger accounts. For the noised sum -- every noise placement -- a zero update is
-the same as an absent client, so the worlds with and without canary ``i`` are neighbours under the
-ledger's relation. (A plugin that also sends a statistic of the update's norm, such as adaptive
-clipping's count bit, sends the same bit for both, since the canary is scaled to at most ``C_t``.)
-A slot's other payload segments (e.g. SCAFFOLD's control-variate delta) are zeroed too.
+audit). An inserted canary's slot sends ``boost C_t u_i``; the slot of a canary left out sends a zero
+update, or ``-boost C_t u_i`` when every client-level mechanism is local (the guarantee is then
+replace-one towards the server, and the two messages are replace-one neighbours). Slots are sampled
+like every client, by the run's sampler, so the population and sampling rate are exactly the ones the
+ledger accounts. For the noised sum -- every noise placement -- a zero update is the same as an absent
+client, so the worlds with and without canary ``i`` are neighbours under the ledger's relation. (A
+plugin that also sends a statistic of the update's norm, such as adaptive clipping's count bit, sends
+different bits in the two worlds: that bit is a mechanism the ledger accounts.) A slot's other
+payload segments (e.g. SCAFFOLD's control-variate delta) are zeroed too.
 
-Canaries inserted and left out give the one-run estimates of :mod:`dpfl_lightning.privacy.audit`:
-the Gaussian fit of Andrew et al. and the lower bound of Steinke et al., for both threat models.
-They are logged as ``audit_eps_*`` (``noised`` releases: functions of the released models and of the
-seed), the last round's in the run's summary and W&B.
+Canaries inserted and left out give the one-run estimates of :mod:`dpfl_lightning.privacy.audit` (the
+Gaussian fit of Andrew et al.) and the f-DP audits of :mod:`dpfl_lightning.privacy.audit_bounds`
+(Mahloujifar et al.). They are logged as ``audit_eps_*`` (``noised`` releases: functions of the
+released models and of the seed), the last round's in the run's summary and W&B.
 
 Randomness: directions, coins and slots come from :class:`~dpfl_lightning.rng.RandomSource` of the
 run's seed, keyed by (seed, canary), in simulation and in secure mode alike, so they do not depend on
@@ -42,16 +51,19 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import UPDATE, trainable_part
-from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
+from dpfl_lightning.payload import UPDATE, Segment, trainable_part
+from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, FederatedCallback
 from dpfl_lightning.plugins.sensitivity import scale_to_norm_
 from dpfl_lightning.privacy.audit import Estimate, LowerBound, gaussian_fit_estimate, one_run_lower_bound
+from dpfl_lightning.privacy.audit_bounds import GdpBound, gdp_lower_bound
 from dpfl_lightning.privacy.guarantees import guarantees
 from dpfl_lightning.releases import MetricRelease
 
 CANARY = rng.register_purpose("CanaryClients.canary")
 INSERTIONS = ("random", "all", "none")
-THREAT_MODELS = {"final": "only the final model is seen", "rounds": "every round's model is seen"}
+THREAT_MODELS = {"final": "only the final model is seen", "rounds": "every round's model is seen",
+                 "messages": "the server sees the messages"}
+MESSAGE = "canary_message"  # the payload segment of local message scores (one value per canary)
 _CACHE_VALUES = 1 << 24  # directions kept in memory up to this many values (64 MiB); else redrawn each round
 
 
@@ -62,6 +74,7 @@ class CanaryAudit:
     threat_model: str
     estimate: Estimate | None  # Gaussian fit (Andrew et al.); None without 2 inserted and 2 unseen canaries
     bound: LowerBound | None  # Steinke et al.; None unless canaries are inserted at random
+    gdp: GdpBound | None = None  # Mahloujifar et al.'s Gaussian-DP bound; None unless inserted at random
 
 
 class CanaryClients(FederatedCallback):
@@ -72,7 +85,10 @@ class CanaryClients(FederatedCallback):
             the number of clients).
         inserted: ``random`` (each canary with probability 1/2: the one-run audit), ``all`` or ``none``
             (the two worlds of a many-run audit).
-        norm: the canaries' norm when no plugin bounds the update (default: the clip bound ``C_t``).
+        norm: the canaries' norm when no plugin bounds the update (with a bounding plugin:
+            ``boost`` times the bound in force).
+        boost: an inserted canary's norm over the bound in force, ``C_t`` (default 100: a clip that
+            does not clip lets it through).
         delta: the delta of the estimates (default: the privacy ledger's default).
         confidence: joint confidence of the two lower bounds (each at ``1 - (1 - confidence) / 2``)
             and of each estimate's interval.
@@ -82,7 +98,7 @@ class CanaryClients(FederatedCallback):
     order = ORDER_BOUND_SENSITIVITY - 10
 
     def __init__(self, canaries: int = 100, inserted: str = "random", norm: float | None = None,
-                 delta: float | None = None, confidence: float = 0.95, every: int = 1) -> None:
+                 delta: float | None = None, confidence: float = 0.95, every: int = 1, boost: float = 100.0) -> None:
         require(isinstance(canaries, int) and canaries >= 1, "CanaryClients.canaries", canaries, "must be >= 1",
                 "set canaries to a positive number, e.g. 100")
         require(inserted in INSERTIONS, "CanaryClients.inserted", inserted, "unknown", f"use one of {INSERTIONS}")
@@ -92,12 +108,17 @@ class CanaryClients(FederatedCallback):
                 "leave it unset (the ledger's) or set e.g. 1e-5")
         require(0 < confidence < 1, "CanaryClients.confidence", confidence, "must be in (0, 1)", "set e.g. 0.95")
         require(isinstance(every, int) and every >= 1, "CanaryClients.every", every, "must be >= 1", "set e.g. 1")
+        require(math.isfinite(boost) and boost >= 1, "CanaryClients.boost", boost, "must be >= 1",
+                "leave it at 100 (far above the clip bound) or give a factor >= 1")
         self.canaries = canaries
         self.inserted = inserted
         self.norm = norm
         self.delta = delta
         self.confidence = confidence
         self.every = every
+        self.boost = boost
+        self.opposite = False  # out-canaries send -update (local noise only: replace-one neighbours)
+        self.messages: str | None = None  # "local", "distributed" or None: how message scores are read
         self.scores: dict[str, torch.Tensor] = {}  # threat model -> every canary's score so far
         self._initial: torch.Tensor | None = None
 
@@ -107,11 +128,7 @@ class CanaryClients(FederatedCallback):
         require(m <= population, "CanaryClients.canaries", m,
                 f"every canary needs a client slot of its own and there are {population} clients",
                 f"set canaries <= {population}")
-        bounds = [get for _, segs, get in ctx.norm_bounds if UPDATE in segs]
-        if not bounds and self.norm is None:
-            raise ConfigError("CanaryClients.norm", None, "no UpdateClipping or UpdateNormalization bounds the update, "
-                              "so there is no clip bound to scale the canaries to", "add a bounding plugin or set norm")
-        self._bounds = bounds
+        self._bounds = [get for _, segs, get in ctx.norm_bounds if UPDATE in segs]
         self._source = rng.RandomSource(ctx.seed)  # keyed by the seed in secure mode too: the auditor knows it
         slots = self._source.stream(0, rng.SERVER_CLIENT, CANARY, tag="slots").randperm(population)[:m]
         self._slot_of = {int(c): i for i, c in enumerate(slots.tolist())}
@@ -125,14 +142,23 @@ class CanaryClients(FederatedCallback):
     def on_fit_start(self, *, ctx) -> None:
         levels = {m.granularity for m in ctx.mechanisms}
         if levels and "client" not in levels:
-            raise ConfigError("CanaryClients", "record-level DP", "canary clients measure client-level privacy and "
-                              "this run's guarantee is per record (DP-SGD), so their epsilon is not comparable",
+            raise ConfigError("CanaryClients", "record-level DP", "record-level DP is not audited: canary clients "
+                              "measure client-level privacy and this run's guarantee is per record (DP-SGD)",
                               "audit a configuration with client-level noise (UpdateClipping + GaussianNoise)")
+        if not self._bounds and self.norm is None:
+            raise ConfigError("CanaryClients.norm", None, "no UpdateClipping or UpdateNormalization bounds the update, "
+                              "so there is no clip bound to scale the canaries to", "add a bounding plugin or set norm")
+        client = [m for m in ctx.mechanisms if m.granularity == "client"]
+        placements = {m.placement for m in client}
+        self.opposite = placements == {"local"}
+        self.messages = "local" if placements == {"local"} else "distributed" if placements == {"distributed"} else None
         self._delta = self.delta if self.delta is not None else self._ledger_delta(ctx)
         params = ctx.module.global_params
         if self._initial is None:  # a resumed run keeps the initial model of its checkpoint
             self._initial = params.detach().clone()
             self._max = torch.full((self.canaries,), -math.inf, dtype=torch.float64)
+            self._message_sum = torch.zeros(self.canaries, dtype=torch.float64)
+            self._message_count = torch.zeros(self.canaries, dtype=torch.float64)
         self._initial = self._initial.to(params.device)
         self._previous = params.detach().clone()
         self._cached = self._block(0, self.canaries) if self.canaries * params.numel() <= _CACHE_VALUES else None
@@ -151,6 +177,10 @@ class CanaryClients(FederatedCallback):
     def slots(self) -> dict[int, int]:
         """Client id -> the canary living on it (a function of the seed and the number of clients)."""
         return dict(self._slot_of)
+
+    def slot_of(self, client: int) -> int | None:
+        """The canary living on client ``client``, or None."""
+        return self._slot_of.get(client)
 
     def direction(self, canary: int) -> torch.Tensor:
         """Canary ``canary``'s unit direction (float32, on the model's device)."""
@@ -180,11 +210,39 @@ class CanaryClients(FederatedCallback):
             return
         for segment in client.payload.values():  # a slot sends nothing of its own
             segment.zero_()
-        if bool(self.is_inserted[canary]):
+        inserted = bool(self.is_inserted[canary])
+        if inserted or self.opposite:
             update = client.payload[UPDATE]
             update.copy_(trainable_part(self.direction(canary), client.plan.trainable, update.numel()))  # as the update: no frozen entry
-            bound = min(get() for get in self._bounds) if self._bounds else self.norm
-            scale_to_norm_([update], bound, only_if_above=False)  # at most C_t: every bound-derived bit agrees
+            scale_to_norm_([update], self.bound() * (self.boost if self._bounds else 1.0), only_if_above=False)
+            if not inserted:
+                update.neg_()
+
+    def bound(self) -> float:
+        """The clip bound in force (``norm`` without a bounding plugin)."""
+        return min(get() for get in self._bounds) if self._bounds else self.norm
+
+    def message_reader(self) -> CanaryMessages:
+        """The plugin that reads each slot's noised message for the ``messages`` score under local
+        noise: add it to the run's plugins next to this one."""
+        return CanaryMessages(self)
+
+    def _score_messages(self, server) -> None:
+        """Add this round's message scores of the slots that took part (see the module docstring)."""
+        if self.messages == "local" and MESSAGE in server.aggregate:
+            values = server.aggregate[MESSAGE].double().cpu()
+        elif self.messages == "distributed":
+            update = server.aggregate[UPDATE]
+            values = torch.cat([block @ update for block in self._blocks()]).double().cpu() / self.bound()
+        else:
+            return
+        took_part = torch.zeros(self.canaries, dtype=torch.bool)
+        for c in server.plan.cohort:
+            i = self._slot_of.get(int(c))
+            if i is not None:
+                took_part[i] = True
+        self._message_sum += torch.where(took_part, values, torch.zeros_like(values))
+        self._message_count += took_part.double()
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         params = server.global_params.detach()
@@ -193,6 +251,9 @@ class CanaryClients(FederatedCallback):
         cosines = torch.cat([block @ moves for block in self._blocks()]).double().cpu() / norms.double().cpu()
         self._max = torch.maximum(self._max, cosines[:, 1])
         self.scores = {"final": cosines[:, 0], "rounds": self._max.clone()}
+        if server.aggregate is not None and self.messages is not None:
+            self._score_messages(server)
+            self.scores["messages"] = self._message_sum / self._message_count.clamp_min(1.0).sqrt()
         self._previous.copy_(params)
         last = server.next_plan is None or server.next_plan() is None
         if last or (server.round_idx + 1) % self.every == 0:
@@ -203,14 +264,16 @@ class CanaryClients(FederatedCallback):
         """The estimates of both threat models from the scores so far."""
         out = {}
         ins = self.is_inserted.numpy()
-        for name in THREAT_MODELS:
+        each = 1.0 - (1.0 - self.confidence) / len(self.scores)
+        for name in self.scores:
             s = self.scores[name].numpy()
-            estimate = bound = None
+            estimate = bound = gdp = None
             if ins.sum() >= 2 and (~ins).sum() >= 2:
                 estimate = gaussian_fit_estimate(s[ins], s[~ins], self._delta, self.confidence)
-                if self.inserted == "random":  # the bound needs each canary in with probability 1/2
-                    bound = one_run_lower_bound(s, ins, self._delta, 1.0 - (1.0 - self.confidence) / len(THREAT_MODELS))
-            out[name] = CanaryAudit(name, estimate, bound)
+                if self.inserted == "random":  # the bounds need each canary in with probability 1/2
+                    bound = one_run_lower_bound(s, ins, self._delta, each)
+                    gdp = gdp_lower_bound(s, ins, self._delta, each)
+            out[name] = CanaryAudit(name, estimate, bound, gdp)
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -221,6 +284,8 @@ class CanaryClients(FederatedCallback):
                             f"audit_eps_{name}_high": a.estimate.high})
             if a.bound is not None:
                 out[f"audit_eps_lb_{name}"] = a.bound.epsilon
+            if a.gdp is not None:
+                out[f"audit_eps_gdp_{name}"] = a.gdp.epsilon
         return out
 
     @property
@@ -231,8 +296,39 @@ class CanaryClients(FederatedCallback):
     def state_dict(self) -> dict[str, Any]:
         if self._initial is None:
             return {}
-        return {"initial": self._initial.detach().cpu().clone(), "max": self._max.clone()}
+        return {"initial": self._initial.detach().cpu().clone(), "max": self._max.clone(),
+                "message_sum": self._message_sum.clone(), "message_count": self._message_count.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self._initial, self._max = state["initial"].clone(), state["max"].clone()
+            zeros = torch.zeros(self._max.shape, dtype=torch.float64)
+            self._message_sum = state.get("message_sum", zeros).clone()
+            self._message_count = state.get("message_count", zeros).clone()
+
+
+class CanaryMessages(FederatedCallback):
+    """Reads each canary slot's message after the local noise (``ORDER_ADD_NOISE + 50``) and sends its
+    score ``<u_i, message> / C_t`` in the ``released`` segment ``canary_message`` (a function of the
+    locally noised update only), at the canary's index: the all-reduce sums them over the cohort, so
+    the ``messages`` score is the same for any number of ranks. Made by
+    :meth:`CanaryClients.message_reader`; declares the segment only under local noise."""
+
+    order = ORDER_ADD_NOISE + 50
+
+    def __init__(self, canaries: CanaryClients) -> None:
+        self.canaries = canaries
+        self._active = False
+
+    def payload_segments(self, *, ctx) -> list[Segment]:
+        placements = {m.placement for m in ctx.mechanisms if m.granularity == "client"}
+        self._active = placements == {"local"}
+        return [Segment(MESSAGE, self.canaries.canaries, "released", "CanaryMessages")] if self._active else []
+
+    def on_client_end(self, *, client) -> None:
+        canary = self.canaries.slot_of(client.client) if self._active else None
+        if canary is None:
+            return
+        update = client.payload[UPDATE]
+        direction = trainable_part(self.canaries.direction(canary), client.plan.trainable, update.numel())
+        client.payload[MESSAGE][canary] = torch.dot(direction, update) / self.canaries.bound()

@@ -1,0 +1,60 @@
+"""Planted privacy bugs for testing ``dpfl audit`` itself: user plugins that declare the honest
+mechanism (the ledger accounts exactly what the honest plugin would) and do less.
+
+- :class:`HalfNoise`: central Gaussian noise of multiplier ``z`` declared, ``z / 2`` added;
+- :class:`LooseClip`: a clip at ``C`` declared, at ``10 C`` applied;
+- :class:`HalfSkippedClip`: a clip at ``C`` declared, skipped for clients with an even id;
+- :class:`QuarterLocalNoise`: local noise of multiplier ``z`` declared, ``z / 4`` added;
+- :class:`HalfCoordinateNoise`: central noise declared on the whole update, added to its first half only.
+"""
+
+from dpfl_lightning import frozen, rng
+from dpfl_lightning.payload import UPDATE
+from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from dpfl_lightning.plugins.sensitivity import scale_to_norm_
+
+
+class HalfNoise(GaussianNoise):
+    """Declares ``GaussianNoise(noise_multiplier=z)`` (central) and adds half its standard deviation."""
+
+    def on_aggregate(self, *, server) -> None:
+        stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE)
+        frozen.add_noise_(stream, server.aggregate[UPDATE], self.sigma / 2, server.plan.trainable)
+
+
+class LooseClip(UpdateClipping):
+    """Declares ``UpdateClipping(max_norm=C)`` and clips at ``10 C``."""
+
+    def on_client_end(self, *, client) -> None:
+        scale_to_norm_([client.payload[s] for s in self.segments], 10 * self.max_norm, True)
+
+
+class HalfSkippedClip(UpdateClipping):
+    """Declares ``UpdateClipping(max_norm=C)`` and skips the clip for clients with an even id."""
+
+    def on_client_end(self, *, client) -> None:
+        if client.client % 2:
+            super().on_client_end(client=client)
+
+
+class QuarterLocalNoise(GaussianNoise):
+    """Declares ``GaussianNoise(noise_multiplier=z, placement="local")`` and adds a quarter of its
+    standard deviation to each client's message."""
+
+    def __init__(self, noise_multiplier: float = 1.0) -> None:
+        super().__init__(noise_multiplier=noise_multiplier, placement="local")
+
+    def on_client_end(self, *, client) -> None:
+        stream = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE)
+        stream.add_normal_(client.payload[UPDATE], self.sigma / 4)
+
+
+class HalfCoordinateNoise(GaussianNoise):
+    """Declares central ``GaussianNoise(noise_multiplier=z)`` on the update and noises its first half
+    only (the second half in the clear: epsilon infinite)."""
+
+    def on_aggregate(self, *, server) -> None:
+        stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE)
+        update = server.aggregate[UPDATE]
+        half = update.numel() // 2
+        stream.add_normal_(update[:half], self.sigma)

@@ -1,0 +1,105 @@
+"""``dpfl audit`` must be able to fail: the f-DP one-run test on synthetic scores, and the command on
+planted bugs (user plugins that declare the honest mechanism and do less, :mod:`planted_bugs`)."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+import yaml
+
+from dpfl_lightning import cli
+from dpfl_lightning.privacy import audit_bounds as ab
+
+
+# --------------------------------------------------------------------------- the f-DP test on synthetic scores
+def _gdp_scores(mu, m, seed):
+    g = np.random.default_rng(seed)
+    inserted = g.random(m) < 0.5
+    return mu * inserted + g.normal(size=m), inserted
+
+
+def test_the_fdp_test_refutes_a_curve_four_times_too_private_and_never_the_true_one():
+    refuted_true = refuted_wrong = 0
+    for seed in range(10):
+        scores, ins = _gdp_scores(2.0, 500, seed)
+        refuted_true += ab.curve_rejected(ab.gdp_tradeoff(2.0), scores, ins) is not None
+        refuted_wrong += ab.curve_rejected(ab.gdp_tradeoff(0.5), scores, ins) is not None
+    assert refuted_true == 0 and refuted_wrong >= 8
+
+
+def test_the_gdp_bound_stays_below_the_true_mu_and_its_ceiling():
+    ceiling = ab.gdp_ceiling(500, 1e-5)
+    for seed in range(5):
+        b = ab.gdp_lower_bound(*_gdp_scores(1.5, 500, seed), 1e-5)
+        assert 0.3 < b.mu < 1.5 and b.epsilon <= ceiling.epsilon
+    assert ab.gdp_lower_bound(*_gdp_scores(0.0, 500, 0), 1e-5).mu == 0.0
+
+
+def test_a_profile_curve_is_the_kairouz_envelope():
+    f = ab.profile_tradeoff([(1.0, 1e-5), (0.5, 1e-2)])
+    for a in (0.0, 0.05, 0.3, 0.9):
+        expected = max(0.0, 1 - 1e-5 - math.e * a, (1 - 1e-5 - a) / math.e, 1 - 1e-2 - math.exp(0.5) * a,
+                       (1 - 1e-2 - a) / math.exp(0.5))
+        assert f(a) == pytest.approx(expected, rel=1e-12)
+    g = ab.gdp_tradeoff(1.0)
+    assert g(0.2) == pytest.approx(scipy.stats.norm.cdf(scipy.stats.norm.ppf(0.8) - 1.0), rel=1e-9)
+
+
+def test_perfect_separation_refutes_a_small_epsilon_and_not_a_huge_one():
+    assert ab.curve_refutable(ab.profile_tradeoff([(0.5, 1e-6)]), 200)
+    assert not ab.curve_refutable(ab.profile_tradeoff([(30.0, 1e-12)]), 200)
+
+
+# --------------------------------------------------------------------------- dpfl audit on planted bugs
+CLIP = {"class_path": "dpfl_lightning.plugins.UpdateClipping", "init_args": {"max_norm": 1.0}}
+NOISE = {"class_path": "dpfl_lightning.plugins.GaussianNoise", "init_args": {"noise_multiplier": 2.0}}
+
+
+def _config(tmp_path, clip=CLIP, noise=NOISE, **trainer) -> str:
+    cfg = {"trainer": {"rounds": 20, "clients_per_round": 25, "sampling": "poisson", "local_steps": 1, "batch_size": 4,
+                       "seed": 0, "num_threads": 1, "enable_progress_bar": False, "enable_summary": False,
+                       "log_dir": str(tmp_path / "runs"), "plugins": [p for p in (clip, noise) if p], **trainer},
+           "model": {"class_path": "dpfl_lightning.models.MLPClassifier",
+                     "init_args": {"in_features": 10, "hidden": [128], "num_classes": 10, "lr": 0.5}},
+           "data": {"class_path": "dpfl_lightning.data.SyntheticLogistic",
+                    "init_args": {"num_clients": 500, "samples_per_client": 12, "test_samples_per_client": 4,
+                                  "dim": 10}}}
+    path = tmp_path / "audit.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _audit(config, *args) -> tuple[int, str]:
+    try:
+        cli.main(["audit", "--config", config, *args])
+    except SystemExit as e:
+        return e.code, ""
+    return 0, ""
+
+
+@pytest.mark.parametrize("clip", ["LooseClip", "HalfSkippedClip"])
+def test_a_clip_that_does_not_clip_is_a_violation(tmp_path, capsys, clip):
+    code, _ = _audit(_config(tmp_path, clip={**CLIP, "class_path": f"planted_bugs.{clip}"}), "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code == 3 and "VIOLATED" in out and "REFUTED" in out
+
+
+def test_the_honest_clip_and_noise_are_consistent(tmp_path, capsys):
+    code, _ = _audit(_config(tmp_path), "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code == 0 and "consistent" in out and "REFUTED" not in out
+
+
+def test_a_ledger_out_of_reach_is_said_before_training(tmp_path, capsys):
+    code, _ = _audit(_config(tmp_path, noise={**NOISE, "init_args": {"noise_multiplier": 0.3}}), "--canaries", "100")
+    out = capsys.readouterr().out
+    assert code == 5 and "this audit cannot detect a violation here" in out and "dpfl audit:" not in out
+
+
+def test_dp_sgd_is_refused_as_record_level_before_any_canary_check(tmp_path, capsys):
+    dpsgd = {"class_path": "dpfl_lightning.plugins.DPSGD", "init_args": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}
+    with pytest.raises(SystemExit) as e:
+        cli.main(["audit", "--config", _config(tmp_path, clip=dpsgd, noise=None)])
+    assert e.value.code == 2
+    assert "record-level DP is not audited" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning
 import torch
+import yaml
 
 from dpfl_lightning import run_files
 from dpfl_lightning.errors import ConfigError, require
@@ -226,20 +227,58 @@ def _quiet_lightning():
             lg.setLevel(level)
 
 
+def privacy_statement(ckpt_path: str | None) -> list[str] | None:
+    """The privacy statement of the DP run that wrote ``ckpt_path`` (the lines its fit printed and
+    logged under ``privacy.guarantees`` in the version's ``hparams.yaml``); ``None`` when the
+    checkpoint is not in a run directory that says it was a DP run."""
+    if not ckpt_path or not os.path.exists(ckpt_path):
+        return None
+    # <run>/version_N/checkpoints/x.ckpt -> version_N (with or without the CLI's config.yaml)
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path))) if os.path.isfile(ckpt_path) \
+        else run_directory(ckpt_path)
+    hparams = os.path.join(run_dir, "hparams.yaml") if run_dir else None
+    if not hparams or not os.path.isfile(hparams):
+        return None
+    try:
+        with open(hparams) as f:
+            privacy = (yaml.safe_load(f) or {}).get("privacy")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    lines = privacy.get("guarantees") if isinstance(privacy, dict) else None
+    return [str(line) for line in lines] if lines else None
+
+
+def stage_privacy_lines(stage: str, statement: list[str], data: Any) -> list[str]:
+    """What a stage on a DP run's model prints before its results: the run's statement (what ``fit``
+    printed) and, where the evaluation set is drawn from the clients' own data, that the stage's
+    results are releases about those clients that no mechanism accounts for."""
+    lines = [f"{stage} evaluates the model of a DP run; its guarantee and what it does not cover:", *statement]
+    if getattr(data, "test_set_from_clients", False):
+        lines.append(f"this {stage}'s data ({type(data).__name__}) is drawn from the clients' own data: its results "
+                     "are releases about those clients that no mechanism accounts for; keep them as private as the "
+                     "data, or evaluate on data of people outside the run")
+    return lines
+
+
 def evaluate(stage: str, model: Any, data: Any, ckpt_path: str, accelerator: str = "auto") -> Any:
     """Run ``lightning.Trainer.<stage>`` (validate, test or predict) on the global model of
-    ``ckpt_path``; returns Lightning's result (metrics, or the predictions)."""
-    return run_lightning_stage(stage, model, datamodule=data, ckpt_path=ckpt_path, accelerator=accelerator)
+    ``ckpt_path``; returns Lightning's result (metrics, or the predictions). A DP run's checkpoint
+    carries its privacy statement (:func:`privacy_statement`), printed before the results."""
+    return run_lightning_stage(stage, model, datamodule=data, ckpt_path=ckpt_path, accelerator=accelerator,
+                               privacy=privacy_statement(ckpt_path))
 
 
 def run_lightning_stage(stage: str, model: Any, *, datamodule: Any = None, dataloaders: Any = None,
                         ckpt_path: str | None = None, accelerator: str = "auto", verbose: bool = True,
-                        progress_bar: bool = False, return_predictions: bool | None = None) -> Any:
+                        progress_bar: bool = False, return_predictions: bool | None = None,
+                        privacy: list[str] | None = None, announce: bool = True) -> Any:
     """``lightning.Trainer(...).<stage>(model, dataloaders, datamodule=...)`` (validate, test or
     predict) on one device, without a logger or checkpoints, after loading ``ckpt_path``'s weights
     (if given) into ``model``. A :class:`FederatedDataModule` (as ``datamodule`` or ``dataloaders``)
     gives its global sets (:class:`EvaluationData`); other data goes to Lightning as it is. Returns
-    Lightning's result: one dict of metrics per dataloader, or the ``predict_step`` outputs."""
+    Lightning's result: one dict of metrics per dataloader, or the ``predict_step`` outputs.
+    ``privacy``: the statement of the DP run whose model this is, printed (when ``announce``) before
+    the results with :func:`stage_privacy_lines`."""
     from dpfl_lightning.data.module import FederatedDataModule
     from dpfl_lightning.module import is_overridden
 
@@ -250,7 +289,13 @@ def run_lightning_stage(stage: str, model: Any, *, datamodule: Any = None, datal
                 f"define {step}" + (", or use dpfl validate" if stage == "test" else ""))
     if isinstance(dataloaders, FederatedDataModule) and datamodule is None:
         dataloaders, datamodule = None, dataloaders
+    if privacy and announce:
+        from dpfl_lightning.loggers import print_privacy_lines
+
+        given = datamodule if datamodule is not None else dataloaders
+        print_privacy_lines(stage_privacy_lines(stage, privacy, given))
     if isinstance(datamodule, FederatedDataModule):
+        datamodule.warn_nonfinite(private=bool(privacy))
         datamodule = EvaluationData(datamodule, predict_inputs_only=not is_overridden(model, "predict_step"))
     if ckpt_path is not None:
         load_weights(model, ckpt_path)

@@ -328,7 +328,7 @@ class FederatedTrainer:
     def _stage(self, stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any, **kw: Any) -> Any:
         return run_stage(stage, model, dataloaders, datamodule, ckpt_path, settings=self.settings, rank=self.rank,
                          fitted=self.module, data=self.data, checkpoints=self.checkpoint_dir, callbacks=self.callbacks,
-                         **kw)
+                         run=self.run, **kw)
 
     # ------------------------------------------------------------------ the round loop
     def _rounds(self, start: int, loggers: list[Any], progress: RoundProgress, lightning_run: LightningRun,

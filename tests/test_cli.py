@@ -280,9 +280,13 @@ def test_validate_test_and_predict_a_trained_run(tmp_path, capsys):
                       (["test", "-c", config, "--ckpt_path", final], "test_acc"),
                       (["validate", "--ckpt_path", os.path.join(run_dir, "version_0")], "val_acc")):
         cli.main(args)
-        out = capsys.readouterr().out
+        printed = capsys.readouterr()
+        out = printed.out
         m = re.search(key + r"\s*│\s*([0-9.]+)", out)
         assert m and float(m.group(1)) == pytest.approx(float(last[key]), abs=1e-6), (args, out)
+        with open(os.path.join(run_dir, "version_0", "hparams.yaml")) as f:  # the statement fit logged and printed
+            statement = yaml.safe_load(f)["privacy"]["guarantees"]
+        assert [f"privacy: {line}" for line in statement] == printed.err.splitlines()[1:len(statement) + 1]
     out = str(tmp_path / "pred.pt")
     cli.main(["predict", "--ckpt_path", run_dir, "--out", out])
     import torch

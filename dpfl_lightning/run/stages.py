@@ -19,6 +19,10 @@ of metrics per dataloader, or the list of ``predict_step`` outputs.
   model's own weights when there is none, as in Lightning); else a checkpoint file (a run's
   ``round-*.ckpt``, ``last.ckpt`` or ``final.ckpt``, or Lightning's).
 
+On the model of a DP run (this trainer's fit, or a checkpoint in a DP run's directory) the stage
+prints the run's privacy statement before its results, as ``fit`` did, and says when the data it
+evaluates is drawn from the clients' own data (its results are then releases no mechanism accounts for).
+
 Under ``mpiexec`` every rank runs the stage on its own copy of the global model (the same on every
 rank) and returns the same result; rank 0 prints it.
 """
@@ -32,7 +36,7 @@ from typing import Any
 from dpfl_lightning import run_files
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.evaluation import run_lightning_stage
+from dpfl_lightning.evaluation import privacy_statement, run_lightning_stage
 from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
 from dpfl_lightning.settings import TrainerSettings
 
@@ -92,13 +96,33 @@ def stage_checkpoint(stage: str, ckpt_path: str | None, model_given: bool, check
     return str(ckpt_path)
 
 
+def stage_privacy(path: str | None, module: Any, fitted: FederatedLightningModule | None, run: Any,
+                  checkpoints: str, callbacks: list[Any]) -> list[str] | None:
+    """The privacy statement a stage prints before its results: that of the DP run that wrote the
+    checkpoint it loads (its ``hparams.yaml``), else, for this trainer's fitted model or one of its
+    checkpoints, this fit's (``run``: its :class:`~dpfl_lightning.run.setup.RunSetup`, if it was a DP run);
+    ``None`` for weights of unknown origin."""
+    found = privacy_statement(path)
+    if found or run is None or not run.private:
+        return found
+    if path is None:
+        ours = fitted is not None and module is fitted.inner
+    else:
+        where = os.path.abspath(path)
+        ours = where.startswith(os.path.abspath(checkpoints) + os.sep) or path == _best(callbacks)
+    return run.privacy_lines() if ours else None
+
+
 def run_stage(stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: str | None, *,
               settings: TrainerSettings, fitted: FederatedLightningModule | None, data: FederatedDataModule | None,
-              checkpoints: str, callbacks: list[Any], rank: int, **options: Any) -> Any:
+              checkpoints: str, callbacks: list[Any], rank: int, run: Any = None, **options: Any) -> Any:
     """``validate``, ``test`` or ``predict`` (see the module docstring; ``checkpoints``: the run's checkpoint
-    directory); ``options``: ``verbose`` or ``return_predictions``, as Lightning takes them."""
+    directory; ``run``: the fit's set-up, for its privacy statement); ``options``: ``verbose`` or
+    ``return_predictions``, as Lightning takes them. On the model of a DP run the stage first prints the
+    run's privacy statement, as ``fit`` did (:func:`stage_privacy`)."""
     module = stage_model(stage, model, fitted)
     path = stage_checkpoint(stage, ckpt_path, model is not None, checkpoints, callbacks)
+    privacy = stage_privacy(path, module, fitted, run, checkpoints, callbacks)
     if dataloaders is None and datamodule is None:
         require(data is not None, "datamodule", None, "not given, and this trainer has not fit on any data",
                 f"pass the data: trainer.{stage}(model, datamodule=...)")
@@ -106,5 +130,5 @@ def run_stage(stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_pa
     if "verbose" in options:
         options["verbose"] = options["verbose"] and rank == 0
     return run_lightning_stage(stage, module, datamodule=datamodule, dataloaders=dataloaders, ckpt_path=path,
-                               accelerator=settings.accelerator,
+                               accelerator=settings.accelerator, privacy=privacy, announce=rank == 0,
                                progress_bar=settings.enable_progress_bar and rank == 0, **options)

@@ -566,7 +566,7 @@ ACTIONS = [(['-h', '--help'], 'help', 0, None, None, False, 'Show this help mess
   None,
   None,
   False,
-  'canary clients of the one-run audit, each inserted with probability 1/2 (default: min(100, clients / 2); at most '
+  'canary clients of the one-run audit, each inserted with probability 1/2 (default: min(1000, clients / 2); at most '
   'the number of clients) (type: int | null, default: null)',
   True),
  (['--trials'],
@@ -697,8 +697,10 @@ PARSERS = {'fit': {'prog': 'dpfl [options] fit',
                          [51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61])]},
  'audit': {'prog': 'dpfl [options] audit',
            'usage': None,
-           'description': "Audit a fit configuration with canary clients: the ledger's epsilon next to an empirical "
-                          "estimate and lower bounds. Exit status 1 if a lower bound exceeds the ledger's epsilon.",
+           'description': "Audit a fit configuration with canary clients: the ledger's privacy curve tested against "
+                          'what canaries show. Exit status 0 consistent, 3 violated (the ledger is refuted), 4 suspect '
+                          "(an estimate's interval lies above the ledger), 5 this audit cannot detect a violation "
+                          'here.',
            'epilog': None,
            'actions': [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26,
                        27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50,

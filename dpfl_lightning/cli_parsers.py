@@ -403,11 +403,12 @@ def parse_error_line(parser: ArgumentParser, argv: list[str], message: str) -> s
 
 def audit_parser() -> ArgumentParser:
     p = fit_parser()
-    p.description = ("Audit a fit configuration with canary clients: the ledger's epsilon next to an empirical "
-                     "estimate and lower bounds. Exit status 1 if a lower bound exceeds the ledger's epsilon.")
+    p.description = ("Audit a fit configuration with canary clients: the ledger's privacy curve tested against "
+                     "what canaries show. Exit status 0 consistent, 3 violated (the ledger is refuted), 4 suspect "
+                     "(an estimate's interval lies above the ledger), 5 this audit cannot detect a violation here.")
     p.add_argument("--canaries", type=int | None, default=None,
                    help="canary clients of the one-run audit, each inserted with probability 1/2 "
-                        "(default: min(100, clients / 2); at most the number of clients)")
+                        "(default: min(1000, clients / 2); at most the number of clients)")
     p.add_argument("--trials", type=int | None, default=None,
                    help="many-run audit instead: N runs with one canary and N without, in secure mode")
     p.add_argument("--confidence", type=float, default=0.95, help="joint confidence of the lower bounds")

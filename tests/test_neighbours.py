@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dpfl_lightning import FederatedDataModule, FederatedTrainer
-from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from dpfl_lightning.plugins import AdaptiveClip, DPSGD, GaussianNoise, UpdateClipping
 from helpers import TinyClassifier
 from neighbours import differences, written
 
@@ -57,12 +57,12 @@ class MarkerWarmUp(TinyClassifier):
         return super().training_step(batch, batch_idx)
 
 
-def _fit(model_cls, change, **kw):
+def _fit(model_cls, change, plugins=None, **kw):
     def fit(log_dir: str) -> None:
+        chosen = plugins() if plugins else [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)]
         trainer = FederatedTrainer(log_dir=log_dir, run_name="nb", rounds=3, local_epochs=1, batch_size=4,
                                    num_threads=1, enable_progress_bar=False, enable_summary=True, checkpoint_every=1,
-                                   final_checkpoint=True, seed=0,
-                                   plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)], **kw)
+                                   final_checkpoint=True, seed=0, plugins=chosen, **kw)
         trainer.fit(model_cls(), _data(change))
     return fit
 
@@ -81,6 +81,16 @@ def _compare(tmp_path, model_cls, changes, **kw):
 ], ids=["marker", "one-more-nan", "huge-loss", "fewer-records"])
 def test_a_dp_run_writes_the_same_on_neighbouring_datasets(tmp_path, changes, kw):
     a, b = _compare(tmp_path, MarkerWarmUp, changes, **kw)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+
+
+@pytest.mark.parametrize("plugins, kw", [
+    (lambda: [AdaptiveClip(1.0), GaussianNoise(noise_multiplier=1.0)], {"clients_per_round": 2}),
+    (lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)], {}),
+], ids=["adaptive-clip-uniform", "dpsgd"])
+def test_other_mechanisms_write_the_same_on_neighbouring_datasets(tmp_path, plugins, kw):
+    a, b = _compare(tmp_path, MarkerWarmUp, (None, "marker"), plugins=plugins, **kw)
     assert a.error is None and b.error is None, (a.error, b.error)
     assert differences(a, b) == []
 

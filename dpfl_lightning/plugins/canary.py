@@ -232,7 +232,7 @@ class CanaryClients(FederatedCallback):
         if self.messages == "local" and MESSAGE in server.aggregate:
             values = server.aggregate[MESSAGE].double().cpu()
         elif self.messages == "distributed":
-            update = server.aggregate[UPDATE]
+            update = server.aggregate[UPDATE].to(torch.float32)
             values = torch.cat([block @ update for block in self._blocks()]).double().cpu() / self.bound()
         else:
             return

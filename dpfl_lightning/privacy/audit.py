@@ -88,16 +88,17 @@ def _separation(x1: np.ndarray, x0: np.ndarray, axis: int | None = None) -> np.n
     """``|mean1 - mean0| / s`` with ``s`` the pooled standard deviation of the two samples."""
     pooled = np.sqrt((np.var(x1, axis=axis, ddof=1) + np.var(x0, axis=axis, ddof=1)) / 2)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.abs(np.mean(x1, axis=axis) - np.mean(x0, axis=axis)) / pooled
+        return (np.mean(x1, axis=axis) - np.mean(x0, axis=axis)) / pooled
 
 
 def gaussian_fit_estimate(inserted, unseen, delta: float, confidence: float = 0.95, resamples: int = 1000,
                           seed: int = 0) -> Estimate:
     """Andrew et al. (2024), Sec. 3-4: Gaussians fitted to the inserted and to the unseen canaries'
     scores, and the epsilon at ``delta`` of the Gaussian mechanism that tells them apart: with one
-    pooled variance ``s^2``, ``mu = |mean_in - mean_unseen| / s``-GDP. The interval maps the bootstrap
-    percentile interval of ``mu`` (both samples resampled ``resamples`` times) through the monotone
-    ``mu -> eps``.
+    pooled variance ``s^2``, ``mu = (mean_in - mean_unseen) / s``-GDP (signed: inserted canaries
+    scoring no higher than unseen ones are no evidence of a leak, and the interval reaches 0 when the
+    scores do not separate). The interval maps the bootstrap percentile interval of ``mu`` (both
+    samples resampled ``resamples`` times, clamped at 0) through the monotone ``mu -> eps``.
 
     Why one pooled variance: with a variance per sample, sampling noise in the variance ratio alone
     moves epsilon at a small delta (the likelihood ratio turns quadratic): at 50 + 50 canaries and a
@@ -106,13 +107,13 @@ def gaussian_fit_estimate(inserted, unseen, delta: float, confidence: float = 0.
     x1, x0 = np.asarray(inserted, dtype=np.float64), np.asarray(unseen, dtype=np.float64)
     require(len(x1) >= 2 and len(x0) >= 2, "canaries", (len(x1), len(x0)),
             "the Gaussian fit needs at least 2 inserted and 2 unseen canaries", "use more canaries")
-    point = gaussian_epsilon(float(_separation(x1, x0)), delta)
+    point = gaussian_epsilon(max(float(_separation(x1, x0)), 0.0), delta)
     rng = np.random.default_rng(seed)
     b1 = x1[rng.integers(0, len(x1), (resamples, len(x1)))]
     b0 = x0[rng.integers(0, len(x0), (resamples, len(x0)))]
     alpha = 1.0 - confidence
     low, high = np.nanquantile(_separation(b1, b0, axis=1), [alpha / 2, 1 - alpha / 2])
-    return Estimate(point, gaussian_epsilon(low, delta), gaussian_epsilon(high, delta), confidence)
+    return Estimate(point, gaussian_epsilon(max(low, 0.0), delta), gaussian_epsilon(max(high, 0.0), delta), confidence)
 
 
 # --------------------------------------------------------------------------- one run (Steinke et al.)

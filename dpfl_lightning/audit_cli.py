@@ -33,7 +33,7 @@ from jsonargparse import ArgumentParser
 
 from dpfl_lightning.cli_config import expect_model_labels, federated_data
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.plugins.canary import THREAT_MODELS, CanaryClients
+from dpfl_lightning.plugins.canary import NOISE_CHECKS, THREAT_MODELS, CanaryClients
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
 from dpfl_lightning.privacy.audit import clopper_pearson_upper, epsilon_from_rates, many_run_lower_bound
@@ -119,7 +119,8 @@ def _canaries_that_reach(eps: float, delta: float, confidence: float, clients: i
 
 def _cannot_detect(eps: float, ceiling: float, m: int, delta: float, each: float, clients: int) -> int:
     print(f"this audit cannot detect a violation here: with {m} canaries at delta={delta:g} the bound can reach at "
-          f"most epsilon {ceiling:.3g} (every guess right), below the ledger's {eps:.4g}")
+          f"most epsilon {ceiling:.3g} (every guess right), below the ledger's {eps:.4g}; the run still trains for "
+          "the noise check (less noise than declared shows at any epsilon)")
     k = _canaries_that_reach(eps, delta, each, clients)
     if k is not None:
         print(f"settings that would: --canaries {k} (or more; at most half the {clients} clients)")
@@ -130,8 +131,9 @@ def _cannot_detect(eps: float, ceiling: float, m: int, delta: float, each: float
 
 
 def _plan(trainer: Any, model: Any, data: Any, m: int, confidence: float) -> tuple[int | None, float]:
-    """Before training: the exit status when no bound of ``m`` canaries can exceed the planned
-    ledger (else None), and the confidence of each threat model's test."""
+    """Before training: :data:`EXIT_CANNOT_DETECT` when no bound of ``m`` canaries can exceed the
+    planned ledger (said here; the run still trains for the noise check), else None; and the
+    confidence of each test."""
     from dpfl_lightning.privacy_cli import plan_run
 
     ledger = plan_run(trainer, data, model=model)
@@ -139,11 +141,20 @@ def _plan(trainer: Any, model: Any, data: Any, m: int, confidence: float) -> tup
     planned = ledger.planned_epsilons(trainer.rounds)
     lowest = min(planned[g.name] for g in ledger.guarantees if g.granularity == "client")
     threats = 3 if any(g.audience == "server" for g in ledger.guarantees) else 2
-    each = 1.0 - (1.0 - confidence) / threats
+    each = 1.0 - (1.0 - confidence) / (threats + len(NOISE_CHECKS))  # the canary tests and the noise checks
     ceiling = gdp_ceiling(m, ledger.delta, each).epsilon
     if ceiling <= lowest and trainer.is_global_zero:
         return _cannot_detect(lowest, ceiling, m, ledger.delta, each, data.num_clients), each
     return (EXIT_CANNOT_DETECT if ceiling <= lowest else None), each
+
+
+def _noise_rows(plugin: CanaryClients, each: float) -> list[tuple[str, ...]]:
+    """The noise check's rows: where the noise was read, and its bound on the observed std."""
+    rows = []
+    for name, c in plugin.noise_checks(each).items():
+        test = ("REFUTED (less noise than declared)" if c.refuted else "the declared noise is there")
+        rows.append((NOISE_CHECKS[name], "-", f"std <= {c.upper:.3g} x declared", f"{c.coordinates} entries", test))
+    return rows
 
 
 @dataclass
@@ -183,16 +194,20 @@ def _row(v: Verdict) -> tuple[str, ...]:
     return THREAT_MODELS[v.threat], f"{v.ledger_eps:.4g}", est, gdp, test
 
 
-def _status(verdicts: list[Verdict]) -> tuple[int, str]:
+def _status(verdicts: list[Verdict], noise: list, reach: int | None) -> tuple[int, str]:
     if any(v.refuted for v in verdicts):
         return EXIT_VIOLATED, ("VIOLATED: the canaries refute the ledger's privacy curve: this configuration "
                                "leaks more than its privacy statement says")
+    if any(c.refuted for c in noise):
+        return EXIT_VIOLATED, ("VIOLATED: the released values hold less noise than the mechanisms declare, so the "
+                               "ledger accounts noise the run does not add")
     if any(v.suspect for v in verdicts):
         return EXIT_SUSPECT, ("SUSPECT: an estimate's interval lies above the ledger's epsilon, though no test "
                               "refutes it: rerun with more canaries")
-    if not any(v.refutable for v in verdicts):
+    if reach is not None or not any(v.refutable for v in verdicts):
         return EXIT_CANNOT_DETECT, ("this audit cannot detect a violation here: even canaries guessed without an "
-                                    "error could not refute the ledger's curve (use more canaries)")
+                                    "error could not refute the ledger's curve (the noise check found the declared "
+                                    "noise; a clip that does not clip would not show)")
     return EXIT_CONSISTENT, "consistent: the canaries do not refute the ledger's privacy curve"
 
 
@@ -200,14 +215,13 @@ def _one_run(parser: ArgumentParser, cfg: Any) -> int:
     a = cfg.audit
     trainer, model, data = _build(parser, cfg)
     k = a.canaries if a.canaries is not None else max(2, min(1000, data.num_clients // 2))
-    code, each = _plan(trainer, model, data, k, a.confidence)
-    if code is not None:
-        return code
+    reach, each = _plan(trainer, model, data, k, a.confidence)
     plugin = _add(trainer, CanaryClients(canaries=k, confidence=a.confidence))
     t0 = time.perf_counter()
     trainer.fit(model, data)
     verdicts = _verdicts(trainer, plugin, each)
-    code, line = _status(verdicts)
+    noise = list(plugin.noise_checks(each).values())
+    code, line = _status(verdicts, noise, reach)
     if trainer.is_global_zero:
         ledger = trainer.ledger
         print(f"dpfl audit: {k} canaries, {int(plugin.is_inserted.sum())} inserted at {plugin.boost:g} x the clip "
@@ -216,7 +230,7 @@ def _one_run(parser: ArgumentParser, cfg: Any) -> int:
             print(f"ledger: {text}")
         header = ("threat model", "ledger eps", "estimate (Andrew et al.)", "Gaussian-DP bound (Mahloujifar)",
                   f"f-DP test of the ledger's curve ({each:g})")
-        for row in [header, *map(_row, verdicts)]:
+        for row in [header, *map(_row, verdicts), *_noise_rows(plugin, each)]:
             print(_ROW.format(*row))
         print(line)
     return code

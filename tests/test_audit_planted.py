@@ -46,6 +46,22 @@ def test_a_profile_curve_is_the_kairouz_envelope():
     assert g(0.2) == pytest.approx(scipy.stats.norm.cdf(scipy.stats.norm.ppf(0.8) - 1.0), rel=1e-9)
 
 
+def test_the_noise_check_refutes_half_the_noise_and_never_the_declared_noise_plus_a_signal():
+    g = np.random.default_rng(0)
+    d = ab.NOISE_BLOCKS * 500
+    false_alarms = 0
+    for _ in range(40):  # honest: N(0, 1) per entry on top of a signal (which only adds)
+        y = g.normal(size=d) + 0.5 * np.sin(np.arange(d))
+        sq = (y ** 2).reshape(ab.NOISE_BLOCKS, -1).sum(1)
+        false_alarms += ab.noise_check(sq, np.full(ab.NOISE_BLOCKS, d / ab.NOISE_BLOCKS), 0.95).refuted
+    assert false_alarms <= 5  # 5% level: 2 expected at most
+    half = (g.normal(0.0, 0.5, size=d) ** 2).reshape(ab.NOISE_BLOCKS, -1).sum(1)
+    check = ab.noise_check(half, np.full(ab.NOISE_BLOCKS, d / ab.NOISE_BLOCKS), 0.95)
+    assert check.refuted and 0.5 < check.upper < 0.6
+    part = (np.concatenate([g.normal(size=d // 2), np.zeros(d // 2)]) ** 2).reshape(ab.NOISE_BLOCKS, -1).sum(1)
+    assert ab.noise_check(part, np.full(ab.NOISE_BLOCKS, d / ab.NOISE_BLOCKS), 0.95).upper < 0.01
+
+
 def test_perfect_separation_refutes_a_small_epsilon_and_not_a_huge_one():
     assert ab.curve_refutable(ab.profile_tradeoff([(0.5, 1e-6)]), 200)
     assert not ab.curve_refutable(ab.profile_tradeoff([(30.0, 1e-12)]), 200)
@@ -91,10 +107,35 @@ def test_the_honest_clip_and_noise_are_consistent(tmp_path, capsys):
     assert code == 0 and "consistent" in out and "REFUTED" not in out
 
 
-def test_a_ledger_out_of_reach_is_said_before_training(tmp_path, capsys):
-    code, _ = _audit(_config(tmp_path, noise={**NOISE, "init_args": {"noise_multiplier": 0.3}}), "--canaries", "100")
+def test_a_ledger_out_of_reach_is_said_before_training_and_the_noise_check_still_runs(tmp_path, capsys):
+    code, _ = _audit(_config(tmp_path, noise={**NOISE, "init_args": {"noise_multiplier": 0.3}}, rounds=5),
+                     "--canaries", "100")
     out = capsys.readouterr().out
-    assert code == 5 and "this audit cannot detect a violation here" in out and "dpfl audit:" not in out
+    assert code == 5 and out.index("this audit cannot detect a violation here") < out.index("dpfl audit:")
+    assert "the declared noise is there" in out
+
+
+@pytest.mark.parametrize("noise", ["HalfNoise", "HalfCoordinateNoise"])
+def test_central_noise_below_the_declared_is_a_violation(tmp_path, capsys, noise):
+    code, _ = _audit(_config(tmp_path, noise={**NOISE, "class_path": f"planted_bugs.{noise}"}), "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code == 3 and "VIOLATED" in out
+    assert "noise in the released sum" in out and "REFUTED (less noise than declared)" in out
+
+
+def test_local_noise_a_quarter_of_the_declared_is_a_violation(tmp_path, capsys):
+    quarter = {"class_path": "planted_bugs.QuarterLocalNoise", "init_args": {"noise_multiplier": 2.0}}
+    code, _ = _audit(_config(tmp_path, noise=quarter), "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code == 3 and "noise in each message" in out and "REFUTED (less noise than declared)" in out
+
+
+@pytest.mark.parametrize("placement", ["local", "distributed"])
+def test_honest_local_and_distributed_noise_pass_the_noise_check(tmp_path, capsys, placement):
+    noise = {**NOISE, "init_args": {"noise_multiplier": 2.0, "placement": placement}}
+    code, _ = _audit(_config(tmp_path, noise=noise), "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code in (0, 5) and "the declared noise is there" in out and "REFUTED" not in out
 
 
 def test_dp_sgd_is_refused_as_record_level_before_any_canary_check(tmp_path, capsys):

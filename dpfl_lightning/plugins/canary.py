@@ -55,7 +55,7 @@ from dpfl_lightning.payload import UPDATE, Segment, trainable_part
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, FederatedCallback
 from dpfl_lightning.plugins.sensitivity import scale_to_norm_
 from dpfl_lightning.privacy.audit import Estimate, LowerBound, gaussian_fit_estimate, one_run_lower_bound
-from dpfl_lightning.privacy.audit_bounds import GdpBound, gdp_lower_bound
+from dpfl_lightning.privacy.audit_bounds import NOISE_BLOCKS, GdpBound, NoiseCheck, gdp_lower_bound, noise_check
 from dpfl_lightning.privacy.guarantees import guarantees
 from dpfl_lightning.releases import MetricRelease
 
@@ -64,6 +64,8 @@ INSERTIONS = ("random", "all", "none")
 THREAT_MODELS = {"final": "only the final model is seen", "rounds": "every round's model is seen",
                  "messages": "the server sees the messages"}
 MESSAGE = "canary_message"  # the payload segment of local message scores (one value per canary)
+NOISE = "canary_noise"  # the payload segment of the canary messages' noise statistics (see CanaryMessages)
+NOISE_CHECKS = {"sum": "noise in the released sum", "messages": "noise in each message"}
 _CACHE_VALUES = 1 << 24  # directions kept in memory up to this many values (64 MiB); else redrawn each round
 
 
@@ -137,7 +139,9 @@ class CanaryClients(FederatedCallback):
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         why = "canary estimates of epsilon: functions of the released models and of the seed"
-        return [MetricRelease("audit_eps_*", "noised", "CanaryClients", why)]
+        return [MetricRelease("audit_eps_*", "noised", "CanaryClients", why),
+                MetricRelease("audit_noise_ratio_*", "noised", "CanaryClients", "the noise check's bound: a function "
+                              "of the noised sum and of the canary slots' noised messages")]
 
     def on_fit_start(self, *, ctx) -> None:
         levels = {m.granularity for m in ctx.mechanisms}
@@ -159,6 +163,7 @@ class CanaryClients(FederatedCallback):
             self._max = torch.full((self.canaries,), -math.inf, dtype=torch.float64)
             self._message_sum = torch.zeros(self.canaries, dtype=torch.float64)
             self._message_count = torch.zeros(self.canaries, dtype=torch.float64)
+            self.noise = {k: torch.zeros(2, NOISE_BLOCKS, dtype=torch.float64) for k in NOISE_CHECKS}
         self._initial = self._initial.to(params.device)
         self._previous = params.detach().clone()
         self._cached = self._block(0, self.canaries) if self.canaries * params.numel() <= _CACHE_VALUES else None
@@ -251,6 +256,8 @@ class CanaryClients(FederatedCallback):
         cosines = torch.cat([block @ moves for block in self._blocks()]).double().cpu() / norms.double().cpu()
         self._max = torch.maximum(self._max, cosines[:, 1])
         self.scores = {"final": cosines[:, 0], "rounds": self._max.clone()}
+        if server.aggregate is not None and NOISE in server.aggregate:
+            self.noise["messages"] += server.aggregate[NOISE].double().cpu().reshape(2, NOISE_BLOCKS)
         if server.aggregate is not None and self.messages is not None:
             self._score_messages(server)
             self.scores["messages"] = self._message_sum / self._message_count.clamp_min(1.0).sqrt()
@@ -276,6 +283,15 @@ class CanaryClients(FederatedCallback):
             out[name] = CanaryAudit(name, estimate, bound, gdp)
         return out
 
+    def noise_checks(self, confidence: float | None = None) -> dict[str, NoiseCheck]:
+        """The chi-square test of the declared Gaussian noise (:func:`~dpfl_lightning.privacy.audit_bounds.
+        noise_check`) in the released sum (central and distributed noise, every round) and in the
+        canary slots' messages (local noise), where they were read; each at ``confidence`` (default:
+        ``confidence`` split between the two)."""
+        each = confidence if confidence is not None else 1.0 - (1.0 - self.confidence) / len(NOISE_CHECKS)
+        out = {k: noise_check(v[0].numpy(), v[1].numpy(), each) for k, v in self.noise.items()}
+        return {k: v for k, v in out.items() if v is not None}
+
     def metrics(self) -> dict[str, float]:
         out = {}
         for name, a in self.audit().items():
@@ -286,6 +302,8 @@ class CanaryClients(FederatedCallback):
                 out[f"audit_eps_lb_{name}"] = a.bound.epsilon
             if a.gdp is not None:
                 out[f"audit_eps_gdp_{name}"] = a.gdp.epsilon
+        for name, check in self.noise_checks().items():
+            out[f"audit_noise_ratio_{name}"] = check.upper
         return out
 
     @property
@@ -297,7 +315,8 @@ class CanaryClients(FederatedCallback):
         if self._initial is None:
             return {}
         return {"initial": self._initial.detach().cpu().clone(), "max": self._max.clone(),
-                "message_sum": self._message_sum.clone(), "message_count": self._message_count.clone()}
+                "message_sum": self._message_sum.clone(), "message_count": self._message_count.clone(),
+                "noise": {k: v.clone() for k, v in self.noise.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
@@ -305,30 +324,82 @@ class CanaryClients(FederatedCallback):
             zeros = torch.zeros(self._max.shape, dtype=torch.float64)
             self._message_sum = state.get("message_sum", zeros).clone()
             self._message_count = state.get("message_count", zeros).clone()
+            empty = {k: torch.zeros(2, NOISE_BLOCKS, dtype=torch.float64) for k in NOISE_CHECKS}
+            self.noise = {k: v.clone() for k, v in state.get("noise", empty).items()}
+
+
+def block_squares(values: torch.Tensor, blocks: int = NOISE_BLOCKS) -> torch.Tensor:
+    """``[sums of squares; counts]`` of ``blocks`` contiguous blocks of a flat vector (float64, [2, blocks])."""
+    v = values.detach().reshape(-1).double()
+    edges = [v.numel() * b // blocks for b in range(blocks + 1)]
+    squares = torch.stack([v[lo:hi].square().sum() for lo, hi in zip(edges, edges[1:])]).cpu()
+    counts = torch.tensor([hi - lo for lo, hi in zip(edges, edges[1:])], dtype=torch.float64)
+    return torch.stack([squares, counts])
+
+
+def _noised_entries(update: torch.Tensor, trainable: torch.Tensor | None) -> torch.Tensor:
+    """The entries of an ``update`` segment the noise is added to (its trainable entries)."""
+    return update if trainable is None or update.numel() != trainable.numel() else update[trainable]
 
 
 class CanaryMessages(FederatedCallback):
-    """Reads each canary slot's message after the local noise (``ORDER_ADD_NOISE + 50``) and sends its
-    score ``<u_i, message> / C_t`` in the ``released`` segment ``canary_message`` (a function of the
-    locally noised update only), at the canary's index: the all-reduce sums them over the cohort, so
-    the ``messages`` score is the same for any number of ranks. Made by
-    :meth:`CanaryClients.message_reader`; declares the segment only under local noise."""
+    """Reads what the server sees, after every noise plugin (``ORDER_ADD_NOISE + 50``).
+
+    - Message scores (local noise): each canary slot's score ``<u_i, message> / C_t``, sent in the
+      ``released`` segment ``canary_message`` at the canary's index; the all-reduce sums them over the
+      cohort, so the ``messages`` score is the same for any number of ranks.
+    - The noise check (:func:`~dpfl_lightning.privacy.audit_bounds.noise_check`): ``||y_b||^2 /
+      sigma_t^2`` and the number of entries of each block ``b`` of a released value ``y`` that the
+      declared Gaussian noise of std ``sigma_t = z C_t`` covers: the noised sum every round (the
+      central and distributed multipliers, ``z = sqrt(sum z_k^2)``), and each canary slot's noised
+      message (local multipliers; sent in the ``released`` segment ``canary_noise``). Functions of
+      the released values only; canary slots hold no data.
+
+    Made by :meth:`CanaryClients.message_reader`."""
 
     order = ORDER_ADD_NOISE + 50
 
     def __init__(self, canaries: CanaryClients) -> None:
         self.canaries = canaries
-        self._active = False
+        self._active = self._local = False
+        self._z_local = self._z_sum = 0.0
+        self._bound = 1.0
 
     def payload_segments(self, *, ctx) -> list[Segment]:
         placements = {m.placement for m in ctx.mechanisms if m.granularity == "client"}
         self._active = placements == {"local"}
-        return [Segment(MESSAGE, self.canaries.canaries, "released", "CanaryMessages")] if self._active else []
+        self._local = "local" in placements
+        out = [Segment(MESSAGE, self.canaries.canaries, "released", "CanaryMessages")] if self._active else []
+        return out + ([Segment(NOISE, 2 * NOISE_BLOCKS, "released", "CanaryMessages")] if self._local else [])
+
+    def on_fit_start(self, *, ctx) -> None:
+        gaussian = [m for m in ctx.mechanisms if m.granularity == "client" and UPDATE in m.covers and m.is_gaussian
+                    and m.noise_multiplier]
+        self._z_local = math.sqrt(sum(m.noise_multiplier ** 2 for m in gaussian if m.placement == "local"))
+        self._z_sum = math.sqrt(sum(m.noise_multiplier ** 2 for m in gaussian if m.placement != "local"))
+
+    def before_round(self, *, plan, server) -> None:
+        self._bound = self.canaries.bound()  # the bound the round's noise is scaled to
 
     def on_client_end(self, *, client) -> None:
-        canary = self.canaries.slot_of(client.client) if self._active else None
+        canary = self.canaries.slot_of(client.client) if self._local else None
         if canary is None:
             return
         update = client.payload[UPDATE]
-        direction = trainable_part(self.canaries.direction(canary), client.plan.trainable, update.numel())
-        client.payload[MESSAGE][canary] = torch.dot(direction, update) / self.canaries.bound()
+        if self._z_local > 0:
+            sigma = self._z_local * self._bound
+            stats = block_squares(_noised_entries(update, client.plan.trainable))
+            stats[0] /= sigma * sigma
+            client.payload[NOISE] += stats.reshape(-1).to(client.payload[NOISE])
+        if self._active:
+            direction = trainable_part(self.canaries.direction(canary), client.plan.trainable, update.numel())
+            client.payload[MESSAGE][canary] = torch.dot(direction, update) / self.canaries.bound()
+
+    def on_aggregate(self, *, server) -> None:
+        agg = server.aggregate
+        if self._z_sum <= 0 or agg is None or UPDATE not in agg or agg.num_clients == 0:
+            return  # (no client: no distributed share was added; skipping a round only weakens the test)
+        sigma = self._z_sum * self._bound
+        stats = block_squares(_noised_entries(server.aggregate[UPDATE], server.plan.trainable))
+        stats[0] /= sigma * sigma
+        self.canaries.noise["sum"] += stats

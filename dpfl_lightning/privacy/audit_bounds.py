@@ -47,6 +47,7 @@ from typing import Callable
 
 import numpy as np
 import scipy.special
+import scipy.stats
 
 from dpfl_lightning.errors import require
 from dpfl_lightning.privacy.audit import gaussian_epsilon
@@ -192,3 +193,49 @@ def curve_refutable(f: Tradeoff, m: int, confidence: float = 0.95) -> bool:
     tries = perfect_tries(m)
     tau = (1.0 - confidence) / len(tries)
     return any(fdp_rejects(f, m, t.guesses, t.correct, tau) for t in tries)
+
+
+# --------------------------------------------------------------------------- the noise the run really adds
+#: contiguous blocks of the update whose noise is checked one by one (noise missing from part of the
+#: vector shows in the blocks it is missing from)
+NOISE_BLOCKS = 8
+
+
+@dataclass(frozen=True)
+class NoiseCheck:
+    """The declared noise against what a released value holds, block by block.
+
+    ``ratio``: the observed over the declared std (``sqrt(S_b / D_b)``, an upper estimate: the
+    signal adds to it) of the block with the lowest ``upper``, its one-sided upper confidence bound
+    at ``confidence`` (Bonferroni over the blocks); ``refuted``: that bound is below 1 (the declared
+    noise is not there)."""
+
+    ratio: float
+    upper: float
+    refuted: bool
+    confidence: float
+    coordinates: int
+
+
+def noise_check(sums, counts, confidence: float = 0.95) -> NoiseCheck | None:
+    """Is a declared Gaussian noise of std ``sigma_t`` present in released values ``y = a + N``?
+
+    ``sums[b]`` holds ``sum ||y_b||^2 / sigma_t^2`` over the releases of block ``b`` (rounds, or
+    canary messages) and ``counts[b]`` the number ``D_b`` of coordinates summed. Whatever the signal
+    ``a`` (a function of the past, independent of the fresh noise), ``||a + N||^2 / sigma^2`` is a
+    non-central chi-square, stochastically above the central ``chi^2`` of the same degrees of
+    freedom, and so is the sum over releases (each one given the past): ``P[S_b <= s] <=
+    P[chi^2_{D_b} <= s]``. A block whose lower tail is below ``(1 - confidence) / blocks`` refutes the
+    declaration: the noise in it is smaller than declared (a statistically valid refutation at
+    ``confidence``, with no assumption on the data). The upper bound on the std ratio is the ``r``
+    with ``P[chi^2_{D_b} <= S_b / r^2] = (1 - confidence) / blocks``. None when nothing was read."""
+    s, d = np.asarray(sums, dtype=np.float64), np.asarray(counts, dtype=np.float64)
+    keep = d > 0
+    if not keep.any():
+        return None
+    s, d = s[keep], d[keep]
+    alpha = (1.0 - confidence) / len(d)
+    upper = np.sqrt(s / scipy.stats.chi2.ppf(alpha, d))
+    b = int(np.argmin(upper))
+    return NoiseCheck(float(np.sqrt(s[b] / d[b])), float(upper[b]), bool(upper[b] < 1.0), confidence, int(d.sum()))
+

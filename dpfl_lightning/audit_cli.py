@@ -10,13 +10,16 @@ seen; every round's model is seen; and, for local or distributed noise, the serv
   is the one-run f-DP test of Mahloujifar, Melis and Chaudhuri (2025) of the ledger's own privacy
   curve (its epsilon at deltas 1e-12 .. 0.1), which refutes the ledger at ``--confidence`` with no
   assumption on the mechanism; next to it the Gaussian-DP lower bound of the same paper and the
-  Gaussian-fit estimate of Andrew et al. (2024), with its interval.
+  Gaussian-fit estimate of Andrew et al. (2024), with its interval. The noise check
+  (:func:`~dpfl_lightning.privacy.audit_bounds.noise_check`) tests the declared Gaussian noise in the
+  released sum and in the canary slots' messages: less noise than declared is a violation too.
 - many runs (``--trials N``, small configurations): ``N`` runs with one canary inserted and ``N``
   without, in secure mode; a Clopper-Pearson lower bound at the ledger's delta.
 
 Before training, the audit computes the most its bound can show for this delta and number of
-canaries (or trials); if that is below the ledger's epsilon it trains nothing and says which
-settings would do. Exit status: 0 consistent; 3 violated (the ledger's statement is refuted); 4
+canaries (or trials); if that is below the ledger's epsilon it says so and which settings would
+(the one-run audit still trains, for the noise check; the many-run audit trains nothing). Exit status: 0 consistent; 3 violated (the
+ledger's statement is refuted, or less noise than declared); 4
 suspect (an estimate's interval lies above the ledger's epsilon, no refutation); 5 this audit cannot
 detect a violation here; 1 and 2 as every ``dpfl`` command (a failure, a bad configuration). A
 record-level (DP-SGD) configuration is refused: record-level DP is not audited.

@@ -31,6 +31,9 @@ What it is used for here:
   Gaussian: its GDP bound can exceed its true epsilon at a small delta).
 - :func:`gdp_ceiling` / :func:`curve_refutable` -- what the audit can reach before it runs: the
   bound with every guess right, and whether even that could refute the ledger's curve.
+- :func:`noise_check` -- not a privacy bound but a test of the ledger's premise: a chi-square lower
+  tail of the declared Gaussian noise in released values (valid whatever the signal), which reaches
+  noise bugs at any ledger epsilon, where the canaries cannot.
 
 Reach. A refutation needs ``r_0 + h_0 > c'/m`` from ``tau c / m``: with every guess right the
 Gaussian-DP bound reaches mu ~1.1 at 100 canaries, ~1.6 at 500, ~1.8 at 1000 (confidence 0.975, four

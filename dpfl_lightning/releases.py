@@ -96,15 +96,30 @@ class ReleaseList:
         if self.private and self.opt_in and self.released_unaccounted:
             lines.append("released on request and NOT accounted (log_client_metrics=True): "
                          + ", ".join(sorted(self.released_unaccounted)))
-        if self.private and self.withheld:
-            lines.append("withheld from the logs (un-noised client statistics): " + ", ".join(sorted(self.withheld)))
-        if self.private and "round_time_s" in self.withheld:
+        if self.private and not self.opt_in:
+            lines.append(self.withheld_line())
+        if self.private and not self.opt_in:  # round_time_s is recorded every round, and withheld
             lines.append("timing is not covered: dpfl's WandbLogger turns W&B's system statistics (CPU, memory, disk, "
                          "network, threads), system metadata and console capture off in a DP run, and dpfl sweep "
                          "records no durations of DP runs, but W&B's _timestamp/_runtime, the console's elapsed time "
                          "and the log files' modification times still say when each round ended, which depends on "
                          "the cohort's data; give the logs to untrusted readers without their clocks")
         return lines
+
+
+    def withheld_line(self) -> str:
+        """What a DP run withholds, said from its set-up alone: the names it knows before training (the
+        round times, the metrics its plugins declared ``unaccounted``) and the rest generically.
+
+        Which keys a run met in training is not said: a key logged only under a data condition (a
+        module's ``if (y == 9).any(): self.log("saw_nine", ...)``, a plugin's statistic logged when a
+        client is small) would tell, by its name alone, something about one client's data that no
+        mechanism accounts. :attr:`withheld` keeps them for the process itself; it is never written."""
+        known = ["round_time_s"] + sorted({r.key for r in self.declared if r.kind == "unaccounted"})
+        return ("withheld from the logs (un-noised client statistics): " + ", ".join(known) + ", and whatever "
+                "else the module, its callbacks or plugins log from client data (which keys were logged is not "
+                "said either: it can depend on one client's data); log_client_metrics=True releases them, "
+                "not accounted")
 
 
 class MetricKinds(dict):
@@ -116,3 +131,19 @@ class MetricKinds(dict):
         for key in metrics:
             self[key] = kind
         return metrics
+
+
+def learning_rate_kind(step_interval: bool, steps_are_public: bool) -> str:
+    """The release kind of the scheduled learning rates and momenta a run logs (``LearningRateMonitor``'s
+    ``lr-*`` / ``momentum-*``), decided from the settings alone.
+
+    They are the reference client's schedule at ``round * S`` (``S``: its optimizer steps per round).
+    An ``interval="epoch"`` scheduler steps once per round: a function of the round, ``public``. An
+    ``interval="step"`` one is ``public`` only where ``S`` is: ``local_steps`` set and no gradient
+    accumulation (``accumulate_grad_batches`` counts batches per epoch, which follow the client's
+    size). Under ``local_epochs`` ``S`` is the largest client's number of batches, so the logged rate
+    is a function of one client's record count: ``unaccounted``, whether or not the clients' sizes
+    happen to differ in this run. Deciding from whether they differ would itself say something about
+    one client (a neighbour with one client smaller flips whether the column is written)."""
+    return "unaccounted" if step_interval and not steps_are_public else "public"
+

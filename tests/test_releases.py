@@ -128,3 +128,36 @@ def test_a_test_set_drawn_from_the_clients_is_stated(log_dir):
     d = quiet_trainer(log_dir, rounds=1, clients_per_round=3, plugins=[UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)])
     d.fit(TinyClassifier(in_features=64), Digits(num_clients=10))
     assert not any("drawn from the clients" in line for line in d.run.privacy_lines())
+
+
+def test_the_withheld_line_names_no_key_met_in_training():
+    """What a DP run says it withheld is the same whichever keys training produced (a key logged under a
+    data condition would say something about one client); it names the keys known at set-up."""
+    from dpfl_lightning.releases import MetricRelease, ReleaseList
+
+    def lines(logged):
+        releases = ReleaseList(private=True, opt_in=False)
+        releases.declare(MetricRelease("update_norm_mean", "unaccounted", "UpdateClipping"),
+                         MetricRelease("epsilon", "public", "PrivacyLedger"))
+        kept = releases.filter(dict.fromkeys(logged, 1.0), {"epsilon": "public"})
+        return kept, releases.describe()
+
+    kept_a, a = lines(["epsilon", "round_time_s"])
+    kept_b, b = lines(["epsilon", "round_time_s", "saw_nine", "update_norm_mean"])
+    assert kept_a == kept_b == {"epsilon": 1.0}
+    assert a == b
+    withheld = [line for line in a if line.startswith("withheld from the logs")]
+    assert len(withheld) == 1 and "saw_nine" not in withheld[0]
+    assert "round_time_s" in withheld[0] and "update_norm_mean" in withheld[0]
+    assert ReleaseList(private=False, opt_in=True).describe() == []
+
+
+@pytest.mark.parametrize("step_interval, steps_are_public, kind", [
+    (False, False, "public"),  # an epoch-interval schedule: a function of the round
+    (True, True, "public"),  # local_steps, no accumulation: the step count is a setting
+    (True, False, "unaccounted"),  # local_epochs: the step count follows the largest client's records
+])
+def test_a_scheduled_learning_rate_is_released_by_the_settings(step_interval, steps_are_public, kind):
+    from dpfl_lightning.releases import learning_rate_kind
+
+    assert learning_rate_kind(step_interval, steps_are_public) == kind

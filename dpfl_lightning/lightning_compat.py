@@ -208,6 +208,7 @@ from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.module import FederatedLightningModule, LoopSettings, is_overridden, optimizer_steps_per_round
 from dpfl_lightning.schedule import ScheduleCursor, merge_end
 from dpfl_lightning.plan import RoundPlan, batch_shape
+from dpfl_lightning.releases import learning_rate_kind
 
 if TYPE_CHECKING:
     from dpfl_lightning.comm import Communicator
@@ -280,7 +281,7 @@ class LightningRun:
         self.rounds_done = 0
         self.round_idx = 0
         self.adapter: RoundTrainer | None = None
-        self.steps_differ = False
+        self.steps_public = True  # every client takes the same optimizer steps per round, set by the settings
         self._plateau_warned: set[str] = set()
         self._said: set[str] = set()
         inner = module.inner
@@ -337,7 +338,7 @@ class LightningRun:
             total = plan.steps_for(n)
             steps.add(optimizer_steps_per_round(total, batch_shape(n, settings.batch_size)[1], k))
         module.loop.steps_reference = max(steps)
-        self.steps_differ = len(steps) > 1
+        self.steps_public = settings.local_steps is not None and k == 1
         shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client
         shim.estimated_stepping_batches = settings.rounds * module.loop.steps_reference
         module.check_optimizers()  # (and the plugins' rules on the optimizers, e.g. DPSGD's)
@@ -369,11 +370,9 @@ class LightningRun:
 
     @property
     def lr_kind(self) -> str:
-        """The release kind of the learning rate the run logs: public unless step-interval schedulers
-        make it depend on client sizes."""
-        scheds = self.reference().scheds
-        sized = self.steps_differ and any(c.interval == "step" for c in scheds)
-        return "unaccounted" if sized else "public"
+        """The release kind of the learning rate the run logs, from the settings
+        (:func:`~dpfl_lightning.releases.learning_rate_kind`)."""
+        return learning_rate_kind(any(c.interval == "step" for c in self.reference().scheds), self.steps_public)
 
     # ------------------------------------------------------------------ run-level hooks
     def fit_start(self, loggers: list[Any], start_round: int) -> None:

@@ -109,3 +109,16 @@ class Recorder(FederatedCallback):
 
     def on_aggregate(self, *, server) -> None:
         self.aggregates.append(server.aggregate.update_sum.detach().clone())
+
+
+def torch_lrs(make_scheduler, steps: int, lr: float = 0.1) -> list[float]:
+    """The lr of each of ``steps`` consecutive optimizer steps of one plain torch run, whose
+    scheduler ``make_scheduler(optimizer)`` builds: the reference a federated schedule is held to."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = make_scheduler(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out

@@ -23,7 +23,7 @@ from dpfl_lightning import ConfigError, FederatedDataModule
 from dpfl_lightning.models import MLPClassifier
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
-from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
+from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data, torch_lrs
 
 DP_FEDAVG = lambda: [UpdateClipping(1.0), GaussianNoise(noise_multiplier=0.3)]  # noqa: E731
 
@@ -56,19 +56,6 @@ class LrSpy(TinyClassifier):
         self.seen.append((self.current_epoch, self.global_step, optimizer.param_groups[0]["lr"]))
 
 
-def _reference_lrs(make_scheduler, steps: int, lr: float = 0.1) -> list[float]:
-    """The lr of each of ``steps`` consecutive optimizer steps of one plain torch run."""
-    p = nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([p], lr=lr)
-    sched = make_scheduler(None, opt)
-    out = []
-    for _ in range(steps):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
-
-
 def test_epoch_scheduler_advances_once_per_round_for_every_client(log_dir):
     model = LrSpy(lambda m, opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     trainer = quiet_trainer(log_dir, rounds=4, local_epochs=2, batch_size=4)  # 3 clients x 2 epochs x 3 batches
@@ -89,7 +76,7 @@ def test_step_schedulers_continue_across_rounds_like_one_lightning_run(log_dir):
         model = LrSpy(make, interval="step")
         trainer = quiet_trainer(log_dir, rounds=R, clients_per_round=2, local_steps=S, batch_size=4)
         trainer.fit(model, tiny_data(num_clients=5))
-        ref = _reference_lrs(make, R * S)
+        ref = torch_lrs(lambda opt: make(None, opt), R * S)
         assert set(model.estimated) == {R * S}  # the steps one client takes over the run
         assert len(model.seen) == R * 2 * S
         for r, g, lr in model.seen:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpfl_lightning import FederatedDataModule
-from helpers import TinyClassifier, quiet_trainer
+from helpers import TinyClassifier, quiet_trainer, torch_lrs
 
 BASE, W, ROUNDS = 0.1, 20, 8
 SIZES = (16, 20, 24, 28)  # batch 4: 4, 5, 6 and 7 optimizer steps per round
@@ -117,18 +117,6 @@ def test_full_participation_continues_each_step_counts_warm_up_silently(log_dir)
     assert said == []
 
 
-def _torch_lrs(make, total, steps):
-    """The lr of each of ``steps`` consecutive optimizer steps of one plain torch run."""
-    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=BASE)
-    sched = make(opt, total)
-    out = []
-    for _ in range(steps):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
-
-
 @pytest.mark.parametrize("name", ["lambda_warm_up", "one_cycle"])
 def test_step_schedulers_stand_at_global_step_whoever_trained_before(log_dir, name):
     lr_scheduler = torch.optim.lr_scheduler
@@ -136,7 +124,7 @@ def test_step_schedulers_stand_at_global_step_whoever_trained_before(log_dir, na
             "one_cycle": lambda opt, total: lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=total)}[name]
     model = Scheduled(make)
     _, said = _fit(model, log_dir)
-    refs = {s: _torch_lrs(make, ROUNDS * s, ROUNDS * s) for s in {n // 4 for n in SIZES}}
+    refs = {s: torch_lrs(lambda opt, s=s: make(opt, ROUNDS * s), ROUNDS * s, BASE) for s in {n // 4 for n in SIZES}}
     for r, s, g, lr in model.seen:
         assert r * s <= g < (r + 1) * s
         assert lr == pytest.approx(refs[s][g], rel=1e-12), (r, s, g)

@@ -65,7 +65,9 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         max_grad_norm: the per-record clipping bound ``C``.
         target_epsilon / delta: instead of ``z``: calibrate it before training so that the worst
             client's record-level epsilon after the whole run is at most the target
-            (``delta`` defaults to a power of ten below ``0.1 / n`` for the smallest client's ``n``).
+            (``delta`` defaults to ``1e-6``, a public setting that assumes at most 10^5 records per
+            client: :func:`~dpfl_lightning.privacy.guarantees.default_delta_for`; set it below
+            ``0.1 / n`` for clients of more records).
         sampling: ``poisson`` (each record in a batch with probability ``B/n``; Opacus's default)
             or ``fixed`` (``B`` records without replacement per batch).
         fix_model: replace layers Opacus cannot handle (BatchNorm -> GroupNorm, ...) with Opacus's

@@ -37,9 +37,12 @@ class PrivacyLedger(FederatedCallback):
 
     Args:
         delta: the delta of the reported epsilon. Default: the smallest delta a calibrated plugin
-            (``target_epsilon``) was given, else a power of ten at most ``0.1/N`` (``N``: clients
-            for client-level, the smallest client's records for record-level DP). ``delta >= 1/N``
-            is refused.
+            (``target_epsilon``) was given, else a function of public settings
+            (:func:`~dpfl_lightning.privacy.guarantees.default_delta_for`): a power of ten at most
+            ``0.1/M`` for client-level DP (``M`` clients), ``1e-6`` for record-level DP (it assumes
+            at most 10^5 records per client: set it below ``0.1/n`` for clients of more). A
+            client-level ``delta >= 1/M`` is refused; a record-level one is not checked against the
+            clients' record counts (they are the data, and a refusal would say where one lies).
         accountant: ``rdp`` (dp_accounting RDP; fast), ``pld`` (dp_accounting PLD; tighter, ~20-60 ms
             per round) or ``prv`` (Opacus PRV; Poisson or no sampling only, slow). Default: the
             accountant a calibrated plugin used, else ``rdp``.
@@ -104,6 +107,8 @@ class PrivacyLedger(FederatedCallback):
             self.delta = min(d for d, _ in calibrated) if calibrated else \
                 min(ctx.privacy.default_delta(g.granularity) for g in self.guarantees)
         for g in self.guarantees:
+            if g.granularity != "client":
+                continue  # the clients' record counts are data: refusing by them would release them
             n = ctx.privacy.population(g.granularity)
             if self.delta >= 1.0 / n:
                 raise ConfigError("PrivacyLedger.delta", self.delta,

@@ -137,3 +137,29 @@ def guarantees(mechanisms: list[Mechanism], sampling: Sampling, relation: str | 
 def default_delta(n: int) -> float:
     """A power of ten at most ``0.1 / n``: well below ``1/n`` (``n``: clients or records)."""
     return 10.0 ** math.floor(math.log10(0.1 / max(n, 1)))
+
+
+#: the records per client that record-level DP's default delta assumes at most (a public setting)
+ASSUMED_RECORDS_PER_CLIENT = 10 ** 5
+
+
+def default_delta_for(granularity: str, num_clients: int) -> float:
+    """The default delta of a ``granularity``-level guarantee, a function of public settings only.
+
+    The common rule is ``delta << 1/n`` for ``n`` the units the neighbouring relation adds or removes
+    (a mechanism that publishes one of ``n`` units in full, at random, is ``(0, 1/n)``-DP: Dwork and
+    Roth, *The Algorithmic Foundations of Differential Privacy*, 2014, section 2.3). Client-level:
+    ``n`` is the number of clients, a setting of the run; the default is
+    :func:`default_delta` ``(num_clients)``.
+
+    Record-level (DP-SGD): neighbours add or remove one record of one client, so the clients' record
+    counts are the data itself, and a default that followed them (the smallest client's count, as it
+    once did) would print and save a delta that changes when one client's count crosses a power of
+    ten -- a release about that client that no mechanism accounts. The default assumes instead at most
+    :data:`ASSUMED_RECORDS_PER_CLIENT` (``10^5``) records per client: ``1e-6 <= 0.1/n`` for every client
+    that holds no more (a whole MNIST or CIFAR-10 training set in one client included; Abadi et al.,
+    "Deep Learning with Differential Privacy", 2016, used 1e-5 for MNIST's 60,000). A client holding
+    more needs a smaller delta, set explicitly (``DPSGD(delta=)``, ``PrivacyLedger(delta=)``)."""
+    if granularity == "client":
+        return default_delta(num_clients)
+    return default_delta(ASSUMED_RECORDS_PER_CLIENT)

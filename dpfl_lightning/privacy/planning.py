@@ -19,7 +19,7 @@ import numpy as np
 from scipy import stats
 
 from dpfl_lightning.privacy.calibrate import calibrate_guarantee
-from dpfl_lightning.privacy.guarantees import Guarantee, Profile, Sampling, default_delta
+from dpfl_lightning.privacy.guarantees import Guarantee, Profile, Sampling, default_delta_for
 
 #: the share of delta that the binomial participation bound of secure mode takes
 TAIL_SHARE = 0.1
@@ -78,7 +78,8 @@ class PrivacyPlanner:
         return self.sampling.num_clients if granularity == "client" else self.min_records
 
     def default_delta(self, granularity: str) -> float:
-        return default_delta(self.population(granularity))
+        """From public settings only (:func:`~dpfl_lightning.privacy.guarantees.default_delta_for`)."""
+        return default_delta_for(granularity, self.sampling.num_clients)
 
     def counts(self, rounds: int) -> np.ndarray:
         """Every client's planned participations in rounds ``0 .. rounds-1`` (a simulation)."""

@@ -1,7 +1,8 @@
 """Nothing a DP run writes depends on one client's data, except the released, accounted values: the
 same configuration on two neighbouring datasets (client 3's data differs: a marker record, one more
-record with NaN, a record with a huge loss, fewer records) writes the same warnings, console, files
-and checkpoints (:mod:`neighbours`)."""
+record with NaN, a record with a huge loss, fewer records, one more record) writes the same warnings,
+console, files and checkpoints (:mod:`neighbours`): also which keys it says it withheld, whether it
+releases a scheduled learning rate, and DP-SGD's default delta."""
 
 from __future__ import annotations
 
@@ -9,22 +10,25 @@ import os
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
 
 from dpfl_lightning import FederatedDataModule, FederatedTrainer
-from dpfl_lightning.plugins import AdaptiveClip, DPSGD, GaussianNoise, UpdateClipping
+from dpfl_lightning.plugins import AdaptiveClip, DPSGD, GaussianNoise, PrivacyLedger, UpdateClipping
+from dpfl_lightning.plugins.base import FederatedCallback
 from helpers import TinyClassifier
 from neighbours import differences, written
 
 CLIENTS, RECORDS, MARKER = 4, 10, 1000.0
 
 
-def _tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors(seed: int = 0, n: int = CLIENTS * RECORDS) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(CLIENTS * RECORDS, 10, generator=g), torch.arange(CLIENTS * RECORDS) % 10
+    return torch.randn(n, 10, generator=g), torch.arange(n) % 10
 
 
 def _data(change: str | None) -> FederatedDataModule:
-    """Four clients of ten records and a separate test set; ``change`` alters client 3's data."""
+    """Four clients of ten records and a separate test set; ``change`` alters client 3's data
+    (``records=n``: three clients of 12 records and client 3 of ``n``)."""
     x, y = _tensors()
     x_test, y_test = _tensors(1)
     clients = [list(range(c * RECORDS, (c + 1) * RECORDS)) for c in range(CLIENTS)]
@@ -39,6 +43,9 @@ def _data(change: str | None) -> FederatedDataModule:
         x[mine[1]] *= 1e4
     elif change == "fewer":
         clients[3] = mine[:6]
+    elif change and change.startswith("records="):  # client 3 holds this many records, the others 12
+        x, y = _tensors(2, 60)  # (enough records for every client)
+        clients = [list(range(c * 12, (c + 1) * 12)) for c in range(3)] + [list(range(36, 36 + int(change[8:])))]
     return FederatedDataModule.from_tensors(x, y, x_test[:12], y_test[:12], client_indices=clients)
 
 
@@ -57,12 +64,13 @@ class MarkerWarmUp(TinyClassifier):
         return super().training_step(batch, batch_idx)
 
 
-def _fit(model_cls, change, plugins=None, **kw):
+def _fit(model_cls, change, plugins=None, callbacks=None, **kw):
     def fit(log_dir: str) -> None:
         chosen = plugins() if plugins else [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)]
-        trainer = FederatedTrainer(log_dir=log_dir, run_name="nb", rounds=3, local_epochs=1, batch_size=4,
-                                   num_threads=1, enable_progress_bar=False, enable_summary=True, checkpoint_every=1,
-                                   final_checkpoint=True, seed=0, plugins=chosen, **kw)
+        settings = dict(log_dir=log_dir, run_name="nb", rounds=3, local_epochs=1, batch_size=4, num_threads=1,
+                        enable_progress_bar=False, enable_summary=True, checkpoint_every=1, final_checkpoint=True,
+                        seed=0, plugins=chosen, callbacks=callbacks() if callbacks else None)
+        trainer = FederatedTrainer(**{**settings, **kw})
         trainer.fit(model_cls(), _data(change))
     return fit
 
@@ -93,6 +101,80 @@ def test_other_mechanisms_write_the_same_on_neighbouring_datasets(tmp_path, plug
     a, b = _compare(tmp_path, MarkerWarmUp, (None, "marker"), plugins=plugins, **kw)
     assert a.error is None and b.error is None, (a.error, b.error)
     assert differences(a, b) == []
+
+
+class SmallClientFlag(FederatedCallback):
+    """A user's plugin that logs a key, undeclared, only in a round where a client held fewer records
+    than the others: which keys a run meets can depend on one client's data (as a module's
+    ``if (y == 9).any(): self.log("saw_nine", ...)`` would)."""
+
+    def __init__(self):
+        self.small = False
+
+    def on_client_end(self, *, client):
+        self.small |= client.num_samples < RECORDS
+
+    def on_round_end(self, *, server, metrics):
+        if self.small:
+            metrics["small_client_seen"] = 1.0
+
+
+class StepSchedule(TinyClassifier):
+    """A learning rate stepped every optimizer step (``interval="step"``), which LearningRateMonitor logs."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_keys_logged_on_one_neighbour_only_are_not_named(tmp_path):
+    """The release notes do not name the withheld keys a run met in training: a key logged only where
+    client 3 holds fewer records would say so."""
+    plugins = lambda: [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0), SmallClientFlag()]  # noqa: E731
+    a, b = _compare(tmp_path, TinyClassifier, (None, "fewer"), plugins=plugins)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    assert "withheld from the logs" in a.stderr and "small_client_seen" not in a.stderr + b.stderr
+
+
+def test_whether_learning_rates_are_released_follows_the_settings_not_the_client_sizes(tmp_path):
+    """Under local_epochs a step-interval learning rate follows the clients' sizes (the reference
+    client's steps per round): whether ``lr-SGD`` is released may not depend on client 3 holding
+    fewer records than the others."""
+    a, b = _compare(tmp_path, StepSchedule, (None, "fewer"), callbacks=lambda: [LearningRateMonitor("epoch")])
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    columns = a.files[os.path.join("nb", "version_0", "metrics.csv")]["columns"]
+    assert "lr-SGD" not in columns, columns  # withheld: the sizes are not public
+
+
+def test_learning_rates_under_local_steps_are_released(tmp_path):
+    """With local_steps every client takes the same public number of steps: the scheduled learning rate
+    is a function of the settings, and a DP run releases it on both neighbours."""
+    a, b = _compare(tmp_path, StepSchedule, (None, "fewer"), callbacks=lambda: [LearningRateMonitor("epoch")],
+                    local_epochs=None, local_steps=2)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    assert "lr-SGD" in a.files[os.path.join("nb", "version_0", "metrics.csv")]["columns"]
+
+
+@pytest.mark.parametrize("ledger", [None, 0.095], ids=["default-delta", "given-delta"])
+def test_dpsgd_delta_does_not_follow_a_client_size(tmp_path, ledger):
+    """Record-level DP: client 3 holds 10 records on one neighbour and 11 on the other (the smallest
+    client's count crosses a power of ten, 0.1/10 and 0.1/11, and 1/11 < 0.095 < 1/10). Every batch
+    holds all of a client's records (batch_size 12), so the accounted steps and rates are the same;
+    the default delta, the privacy line, hparams.yaml, and whether a given delta is refused must be too."""
+    plugins = lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)] + (  # noqa: E731
+        [PrivacyLedger(delta=ledger)] if ledger else [])
+    a, b = _compare(tmp_path, TinyClassifier, ("records=10", "records=11"), plugins=plugins, batch_size=12)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    found = differences(a, b)
+    # Known and left: the ledger checkpoints the record counts its accountant uses (each client's
+    # sampling rate B/n and steps per epoch), to refuse a resume under other releases.
+    counts = [d for d in found if "/plugins/PrivacyLedger/releases" in d and "'records': 10" in d]
+    assert [d for d in found if d not in counts] == []
+    assert f"delta={ledger or 1e-6:g}" in a.stderr, a.stderr
 
 
 def test_the_harness_sees_a_difference_it_must_see(tmp_path):

@@ -238,8 +238,14 @@ class RoundTrainer:
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps of a client that took part in every round so far (the reference client)."""
-        return self._run.rounds_done * self._run.module.loop.steps_reference
+        """Optimizer steps of a client that took part in every round so far (the reference client); in a
+        DP run whose steps per round follow the clients' data, the rounds done (see
+        :meth:`~dpfl_lightning.module.replay.ScheduleReplay.written_step`): ``ModelCheckpoint`` names its
+        files with it."""
+        module = self._run.module
+        if module.schedules.steps_private:
+            return self._run.rounds_done
+        return self._run.rounds_done * module.loop.steps_reference
 
     @property
     def is_global_zero(self) -> bool:

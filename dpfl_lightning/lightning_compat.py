@@ -339,6 +339,9 @@ class LightningRun:
             steps.add(optimizer_steps_per_round(total, batch_shape(n, settings.batch_size)[1], k))
         module.loop.steps_reference = max(steps)
         self.steps_public = settings.local_steps is not None and k == 1
+        # a DP run writes a global_step of the settings where the reference client's follows the data
+        private = self.releases is not None and self.releases.private
+        module.schedules.steps_private = bool(private) and not self.steps_public
         shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client
         shim.estimated_stepping_batches = settings.rounds * module.loop.steps_reference
         module.check_optimizers()  # (and the plugins' rules on the optimizers, e.g. DPSGD's)
@@ -531,7 +534,7 @@ class LightningRun:
         module = self.module
         module.load_global()
         datamodule = getattr(self.data, "datamodule", None)
-        return lightning_checkpoint(module.inner, rounds_done, module.start_step(module.loop.steps_reference, rounds_done),
+        return lightning_checkpoint(module.inner, rounds_done, module.schedules.written_step(rounds_done),
                                     datamodule if hasattr(datamodule, "CHECKPOINT_HYPER_PARAMS_KEY") else None)
 
     def save_lightning_checkpoint(self, path: str, epoch: int, global_step: int) -> None:

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from dpfl_lightning import FederatedDataModule, FederatedTrainer
 from dpfl_lightning.plugins import AdaptiveClip, DPSGD, GaussianNoise, PrivacyLedger, UpdateClipping
@@ -175,6 +175,20 @@ def test_dpsgd_delta_does_not_follow_a_client_size(tmp_path, ledger):
     counts = [d for d in found if "/plugins/PrivacyLedger/releases" in d and "'records': 10" in d]
     assert [d for d in found if d not in counts] == []
     assert f"delta={ledger or 1e-6:g}" in a.stderr, a.stderr
+
+
+@pytest.mark.parametrize("callbacks", [None, lambda: [ModelCheckpoint(save_top_k=-1)]], ids=["run-checkpoints",
+                                                                                           "model-checkpoint"])
+def test_global_step_does_not_follow_the_largest_client(tmp_path, callbacks):
+    """Under local_epochs the reference client's steps per round are the largest client's batches: client
+    3 holds 12 or 13 records at batch 4 (3 or 4 batches, the others 3), which would write global_step
+    9 or 12 after three rounds into every checkpoint, and name ModelCheckpoint's files (``step=9``).
+    A DP run writes the rounds done: a function of the settings."""
+    a, b = _compare(tmp_path, TinyClassifier, ("records=12", "records=13"), callbacks=callbacks)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    final = a.files[os.path.join("nb", "version_0", "checkpoints", "final.ckpt")]
+    assert (final["epoch"], final["global_step"]) == (3, 3)
 
 
 def test_the_harness_sees_a_difference_it_must_see(tmp_path):

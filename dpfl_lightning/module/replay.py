@@ -43,6 +43,7 @@ class ScheduleReplay:
         self.off_schedule: set[int] = set()  # the steps per round whose cursor continues a round end taken
         self.last_seen: dict[int, int] = {}  # the last round in which clients of each step count trained
         self.optimizer_rules = []
+        self.steps_private = False  # the reference client's steps per round follow the data (set up by the run)
 
     # ------------------------------------------------------------------ where a client starts
     def set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
@@ -66,6 +67,18 @@ class ScheduleReplay:
         if last < 0 or any(s == steps and last < r < round_idx for s, r in self.restarts):
             return round_idx * steps
         return self.round_ends[(steps, last)].step + (round_idx - 1 - last) * steps
+
+    def written_step(self, rounds_done: int) -> int:
+        """The ``global_step`` the run writes after ``rounds_done`` rounds (its checkpoints, a Lightning
+        checkpoint of the global model, callbacks' ``trainer.global_step``): the reference client's
+        (:meth:`start_step`); where :attr:`steps_private` (a DP run whose steps per round follow the
+        clients' record counts: ``local_epochs``, or gradient accumulation) ``rounds_done``, one step of
+        the global model per round, a function of the settings. The reference client's would be the
+        largest client's steps per round times the rounds: one client's data. Nothing reads it back on
+        resume: the schedule's positions are recomputed from the clients' data."""
+        if self.steps_private:
+            return rounds_done
+        return self.start_step(self.fm.loop.steps_reference, rounds_done)
 
     def configure(self, steps: int) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
         """``configure_optimizers`` with ``estimated_stepping_batches`` of clients of ``steps`` steps."""

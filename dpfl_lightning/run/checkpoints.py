@@ -83,13 +83,14 @@ def planned_checkpoint_dir(settings: TrainerSettings) -> str:
 def write_lightning_checkpoint(module: Any, data: Any, comm: Communicator | None, path: str, history: list,
                                epoch: int | None = None, global_step: int | None = None) -> str:
     """The global model as a Lightning checkpoint (rank 0 writes; every rank calls this); ``epoch``
-    defaults to the rounds in ``history`` and ``global_step`` to the reference client's steps by then."""
+    defaults to the rounds in ``history`` and ``global_step`` to what the run's checkpoints write
+    (:meth:`~dpfl_lightning.module.replay.ScheduleReplay.written_step`: in a DP run, never one client's steps)."""
     require(module is not None, "save_lightning_checkpoint", path, "there is no trained model yet",
             "call it after fit (or set final_checkpoint=True)")
     done = int(history[-1].get("round", len(history))) if history else 0
     epoch = done if epoch is None else epoch
     if global_step is None:
-        global_step = module.start_step(module.loop.steps_reference, done)
+        global_step = module.schedules.written_step(done)
     module.load_global()
     if comm is None or comm.rank == 0:
         datamodule = getattr(data, "datamodule", None)

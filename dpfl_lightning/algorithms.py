@@ -175,8 +175,8 @@ class SCAFFOLD(Algorithm):
         self.warm_start_rounds = warm_start_rounds
 
     def plugins(self) -> list[FederatedCallback]:
-        scaffold = SCAFFOLDPlugin(self.warm_start, self.warm_start_rounds)  # its commit: c_i follow the dc sent
-        return [scaffold, scaffold.commit, ServerOptimizer("sgd", lr=self.server_lr)]
+        # c_i follow the dc each client sent (SCAFFOLD reads it after every bound and noise)
+        return [SCAFFOLDPlugin(self.warm_start, self.warm_start_rounds), ServerOptimizer("sgd", lr=self.server_lr)]
 
 
 class DPSCAFFOLD(_DPSGDClients, SCAFFOLD):

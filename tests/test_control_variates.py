@@ -551,10 +551,6 @@ def test_scaffold_refuses_client_level_dp_it_cannot_follow(log_dir):
         quiet_trainer(log_dir, rounds=3, clients_per_round=2, plugins=plugins, **kw).fit(
             TinyClassifier(), tiny_data(num_clients=4))
 
-    scaffold = SCAFFOLD()
-    with pytest.raises(ConfigError, match=r"\.commit"):  # dc clipped and noised, c_i would follow the raw dc
-        fit([scaffold, UpdateClipping(1.0, segments=["update", "dc"]),
-             GaussianNoise(noise_multiplier=1.0, placement="local", segments=["update", "dc"])])
     with pytest.raises(ConfigError, match="covers the update but not dc"):  # c would move with an un-noised sum
         fit([DPSGD(noise_multiplier=1.0), SCAFFOLD(), UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)])
     warm = SCAFFOLD(warm_start=True)
@@ -574,3 +570,44 @@ def test_scaffold_preset_carries_its_commit_so_client_level_dp_on_dc_keeps_c_the
     mean = sum(scaffold.control_variates.values()) / M
     assert float(scaffold.c.abs().max()) > 0.01
     assert torch.allclose(scaffold.c, mean, rtol=0, atol=1e-9 * float(scaffold.c.abs().max()))
+
+
+def test_scaffold_alone_follows_the_dc_sent_under_client_level_dp_as_with_the_deprecated_commit(log_dir):
+    """No companion plugin: SCAFFOLD reads the clipped, noised dc after every on_client_end, so c stays
+    the mean of the c_i; listing the deprecated scaffold.commit (a no-op) changes nothing."""
+    M = 6
+
+    def fit(plugins_of):
+        scaffold = SCAFFOLD()
+        t = quiet_trainer(log_dir, rounds=3, clients_per_round=2, local_steps=2, seed=0, plugins=plugins_of(scaffold))
+        torch.manual_seed(0)
+        module = t.fit(TinyClassifier(lr=0.1), tiny_data(num_clients=M))
+        return scaffold, module.global_params.clone()
+
+    clip_noise = [UpdateClipping(1.0, segments=["update", "dc"]),
+                  GaussianNoise(noise_multiplier=1.0, placement="local", segments=["update", "dc"])]
+    alone, params = fit(lambda s: [*clip_noise, s])  # listed after the noise: plugin order does not matter
+    mean = sum(alone.control_variates.values()) / M
+    assert float(alone.c.abs().max()) > 0.01
+    assert torch.allclose(alone.c, mean, rtol=0, atol=1e-9 * float(alone.c.abs().max()))
+    with pytest.warns(DeprecationWarning, match="remove it from the plugins"):
+        old, old_params = fit(lambda s: [s, s.commit, *clip_noise])
+    assert torch.equal(old.c, alone.c) and torch.equal(old_params, params)
+
+
+def test_scaffnew_h_i_follow_the_noised_d_i_whatever_its_order(log_dir):
+    """ScaffNew placed before the noise plugins still builds h_i from the D_i each client sent (read in
+    on_client_released, after every on_client_end), so the h_i keep summing to zero."""
+    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.comm.exact_sum import grid_exponent
+    from dpfl_lightning.plugins.gaussian_noise import NOISE_TAIL
+
+    early, inv = ScaffNew(p=0.3), Invariants()
+    early.order = 150  # after DP-SGD's slot, before UpdateClipping's noise (200)
+    _quadratic(log_dir, [early, UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.2, placement="local"), inv],
+               8, 1.0 / L)
+    scale = max(inv.scales)
+    assert scale > 1e-3
+    grid = 2.0 ** (grid_exponent(0.5 + NOISE_TAIL * 0.2 * 0.5, N, HEADROOM_BITS) - 1)
+    for r, s in enumerate(inv.sums, start=1):  # as in test_sum_of_h_is_zero_and_c_is_the_mean_of_the_c_i
+        assert float(s.abs().max()) <= r * 0.3 / (1.0 / L) * N * grid + 1e-12 * scale

@@ -9,6 +9,7 @@ order). A round runs::
         wrap_optimizer(client, optimizer)           each fresh local optimizer (DP-SGD)
         on_before_optimizer_step(client, optimizer) before every local step (control variates)
         on_client_end(client)               bound, noise, randomize ``client.payload`` in place
+        on_client_released(client, released)  read what the client sent (state built from the release)
     one exact all-reduce of every segment of every client's payload
     on_aggregate(server)                noise on the sums (central), read extra sums
     on_server_update(server)            scale ``server.update`` (the mean update), control variates
@@ -28,6 +29,7 @@ that trains it, and is checkpointed by client id); a plugin that keeps it sets
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,6 +121,19 @@ class FederatedCallback:
         """The client finished: modify ``client.payload`` in place (clip, normalize, noise). Runs once
         per client and round; with ``client.skipped`` its update was not finite and was replaced by
         zeros before any plugin saw it (leave its per-client state as it was)."""
+
+    def on_client_released(self, *, client: ClientContext, released: Mapping[str, torch.Tensor]) -> None:
+        """What the client sent, after every plugin's ``on_client_end`` (every bound and noise, in any
+        plugin order) and before it is added to the rank's sums: ``released`` holds exactly the row
+        that is summed, by segment (with ``weighting="samples"`` the update times the ``weight``
+        segment; a skipped client's noised zero update). Read-only: the mapping refuses assignment
+        and its tensors are copies, as is ``client.payload`` during this hook, so writing to them
+        changes nothing that is summed. Build per-client state that must follow the release here
+        (SCAFFOLD's ``c_i``, ScaffNew's ``D_i``). Privacy: a segment is only as private as the
+        mechanisms that cover it before it leaves the client (``central`` noise: the clipped,
+        un-noised value the trusted aggregator sees); keep what you derive in ``client.state`` or
+        plugin state, never print or log it. Called only when some plugin overrides it (the copies
+        cost one row per client)."""
 
     def on_aggregate(self, *, server: ServerContext) -> None:
         """The cohort's sums are in ``server.aggregate``; modify them in place (central noise)."""

@@ -66,7 +66,7 @@ class ScaffNew(FederatedCallback):
             algorithm, so leave it unset to follow Alg. 2.
     """
 
-    order = ORDER_ADD_NOISE + 50  # its on_client_end reads the noisy D_i
+    order = ORDER_ADD_NOISE + 50  # after DP-SGD (its optimizer is wrapped) and before the server steps
     keeps_client_state = True  # h_i
 
     def __init__(self, p: float, max_local_steps: int | None = None) -> None:
@@ -142,10 +142,10 @@ class ScaffNew(FederatedCallback):
         if not client.scratch.get("scaffnew_dp"):
             self._grads.add_(client.scratch["scaffnew_h"])
 
-    def on_client_end(self, *, client) -> None:
+    def on_client_released(self, *, client, released) -> None:
         # D_i as it leaves the client (after clipping and local noise or the noise share; a skipped
         # client's is its noised zero update), and the step size of this round, for the update of h_i
-        self._sent[client.client] = (full_update(client.payload["update"], client.plan.trainable).double(), client.lr)
+        self._sent[client.client] = (full_update(released["update"], client.plan.trainable).double(), client.lr)
 
     def on_server_update(self, *, server) -> None:
         mean = server.update  # mean D (the server optimizer applies it next)

@@ -21,9 +21,9 @@ Privacy. With :class:`~dpfl_lightning.plugins.DPSGD` every quantity that leaves 
 and ``dc`` -- is a function of the DP-SGD-noised gradients and of public ``c`` (Claim 4.1 of paper
 001): ``dc`` is a ``model`` segment, covered by the record-level mechanism, and costs no extra
 privacy (the ledger reports the same epsilon as DP-SGD + FedAvg). With client-level DP, clip
-``update`` and ``dc`` jointly (``UpdateClipping(C, segments=["update", "dc"])``), noise both, and
-add ``scaffold.commit`` (:class:`~dpfl_lightning.plugins.scaffold_commit.SCAFFOLDCommit`): the
-clients then add the clipped, noised ``dc`` they sent to ``c_i``. By threat model (see
+``update`` and ``dc`` jointly (``UpdateClipping(C, segments=["update", "dc"])``) and noise both:
+each client adds the ``dc`` it sent -- clipped and noised, read in ``on_client_released`` after
+every plugin's ``on_client_end`` -- to ``c_i``, in any plugin order. By threat model (see
 :mod:`~dpfl_lightning.plugins.control_variate_state`):
 
 - ``local`` noise: ``c_i`` is the sum of the client's local releases, ``c = mean(c_i)`` exactly
@@ -87,8 +87,8 @@ class SCAFFOLD(FederatedCallback):
             fewer rounds meet ``warm_start_rounds * m`` clients, the others start from ``c_i = 0``;
             more rounds start another pass over a fresh permutation).
 
-    ``commit`` is the plugin that updates ``c_i`` from the ``dc`` each client sent; add it to the
-    plugins when a plugin bounds or noises ``dc`` (client-level DP).
+    ``c_i`` follows the ``dc`` each client sent, after every bound and noise (``on_client_released``);
+    ``commit`` (the former companion plugin) is a deprecated no-op.
     """
 
     order = ORDER_LOCAL_TRAINING + 1  # after DP-SGD: its optimizer is the one wrapped
@@ -100,17 +100,16 @@ class SCAFFOLD(FederatedCallback):
         self.warm_start = bool(warm_start)
         self.warm_start_rounds = warm_start_rounds
         self.c: torch.Tensor | None = None
-        self._commit = SCAFFOLDCommit(self)
         self._c_i = ClientVectors("c_i")
-        self._deferred = False  # SCAFFOLDCommit updates c_i, after the noise
         self._note: str | None = None
         self._rounds_done = 0
         self._warm_perm: tuple[int, torch.Tensor] | None = None  # (pass, permutation)
 
     @property
     def commit(self) -> SCAFFOLDCommit:
-        """The plugin that sets ``c_i <- c_i + dc`` with the ``dc`` each client sent (after the noise)."""
-        return self._commit
+        """Deprecated: a no-op plugin (warns). SCAFFOLD sets ``c_i <- c_i + dc`` with the ``dc`` each
+        client sent itself, in ``on_client_released``; drop ``scaffold.commit`` from the plugins."""
+        return SCAFFOLDCommit(self)
 
     @property
     def control_variates(self) -> dict[int, torch.Tensor]:
@@ -164,12 +163,6 @@ class SCAFFOLD(FederatedCallback):
                 "client-level DP covers the update but not dc, whose un-noised sum would move c and the model",
                 "bound and noise both: UpdateClipping(C, segments=['update', 'dc']) and GaussianNoise(..., "
                 "segments=['update', 'dc'])")
-        changed = bool(at_clients) or ctx.norm_bound(("dc",), before=None) is not None
-        self._deferred = id(self._commit) in ctx.positions
-        require(self._deferred or not changed, "trainer.plugins", "SCAFFOLD without its commit plugin",
-                "a plugin bounds or noises dc after SCAFFOLD computes it, and c_i must follow the dc the client sent "
-                "for c to stay the mean of the c_i", "add the SCAFFOLD instance's .commit to the plugins: "
-                "plugins=[scaffold, scaffold.commit, UpdateClipping(...), GaussianNoise(...)]")
         amplified = sorted({m.placement for m in mechanisms if m.granularity == "client"} - {"local"})
         require(not (self.warm_start and amplified), "SCAFFOLD.warm_start", True,
                 f"client-level {'/'.join(amplified)} noise is accounted per round as amplified by client sampling, "
@@ -264,15 +257,13 @@ class SCAFFOLD(FederatedCallback):
         else:  # no step moved the model: nothing to learn about the client's gradients
             new = c_i
         dc.copy_(new - c_i)
-        if not self._deferred:  # nothing after SCAFFOLD changes dc: it is sent as computed
-            self.commit_sent(client)
 
-    def commit_sent(self, client) -> None:
-        """``c_i <- c_i + dc`` with the ``dc`` in ``client.payload`` as it leaves the client (line 17:
+    def on_client_released(self, *, client, released) -> None:
+        """``c_i <- c_i + dc`` with the ``dc`` the client sent, after every bound and noise (line 17:
         what the server adds to ``c``); a skipped client adds what its zero ``dc`` carries (its noise,
         if any), as the server does. A non-finite ``dc`` (a plugin wrote it) is not committed: the
         aggregation refuses the round."""
-        dc = client.payload["dc"]
+        dc = released["dc"]
         if not bool(torch.isfinite(dc).all()):
             return
         self._c_i.of(client.client, client.state).add_(dc.double())

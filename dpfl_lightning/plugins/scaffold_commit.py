@@ -1,39 +1,30 @@
-"""SCAFFOLDCommit: SCAFFOLD's ``c_i`` update from the ``dc`` each client sent.
+"""SCAFFOLDCommit: deprecated, a no-op kept so that configs and code that name it still run.
 
-:class:`~dpfl_lightning.plugins.SCAFFOLD` computes ``dc = c_i+ - c_i`` (paper 001 Alg. 1 line 14)
-while the client trains, before the bounding and noise plugins run; with client-level DP they clip
-``(update, dc)`` and noise them. The server adds the ``dc`` it receives to ``c``
-(``c <- c + (1/M) sum dc``, line 20), so for ``c`` to stay the mean of the ``c_i`` each client must
-add the same ``dc``: the one it sent, clipped and (local or distributed) noised. This plugin runs
-after the noise and does that update, ``c_i <- c_i + dc_sent``, for the SCAFFOLD it belongs to.
-
-Create it through its SCAFFOLD and list both::
-
-    scaffold = SCAFFOLD()
-    plugins = [scaffold, scaffold.commit, UpdateClipping(C, segments=["update", "dc"]),
-               GaussianNoise(noise_multiplier=z, placement="local", segments=["update", "dc"])]
-
-SCAFFOLD refuses a run in which a plugin bounds or noises ``dc`` and this plugin is missing.
+It used to update SCAFFOLD's ``c_i`` from the ``dc`` each client sent, after the bounding and noise
+plugins, because no plugin could see the release. :class:`~dpfl_lightning.plugins.SCAFFOLD` now does
+that itself in ``on_client_released`` (see :meth:`FederatedCallback.on_client_released`), in any
+plugin order: drop ``scaffold.commit`` from the plugins.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
 
 
 class SCAFFOLDCommit(FederatedCallback):
-    """After the noise: each client adds the ``dc`` it sent to its ``c_i`` (see the module docstring).
+    """Deprecated no-op (see the module docstring); warns when made.
 
     Args:
-        scaffold: the :class:`~dpfl_lightning.plugins.SCAFFOLD` whose ``c_i`` it updates.
+        scaffold: the :class:`~dpfl_lightning.plugins.SCAFFOLD` it used to update (ignored).
     """
 
-    order = ORDER_ADD_NOISE + 50  # after every client-side bound and noise
+    order = ORDER_ADD_NOISE + 50
 
-    def __init__(self, scaffold: Any) -> None:
+    def __init__(self, scaffold: Any = None) -> None:
+        warnings.warn("SCAFFOLDCommit (scaffold.commit) is deprecated and does nothing: SCAFFOLD updates c_i from "
+                      "the dc each client sent itself. Fix: remove it from the plugins", DeprecationWarning,
+                      stacklevel=2)
         self._scaffold = scaffold
-
-    def on_client_end(self, *, client) -> None:
-        self._scaffold.commit_sent(client)

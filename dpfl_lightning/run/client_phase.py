@@ -2,11 +2,13 @@
 aggregator (with frozen parameters in a private run, the row takes the update's trainable entries
 only: frozen parameters are not part of the update); the raw update is checked finite (a non-finite one is replaced by zeros and the client
 marked ``skipped`` before any plugin sees it); the plugins' ``on_client_end`` bound and noise the
-payload, once; the row is folded into the rank's sum."""
+payload, once; the plugins' ``on_client_released`` read a copy of the row as it is summed (what the
+client sent); the row is folded into the rank's sum."""
 
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -106,8 +108,21 @@ class ClientPhase:
             weight = float(ctx.num_samples)
             update.mul_(weight)
             ctx.payload["weight"].fill_(weight)
+        self._release(ctx)
         agg.fold()
         return ok
+
+    def _release(self, ctx: ClientContext) -> None:
+        """The plugins' ``on_client_released``: the row as it is summed, read-only (a mapping that
+        refuses assignment, of copies; ``ctx.payload`` is that mapping from here on), so nothing a
+        plugin writes there reaches the sums. No copy when no plugin reads the release."""
+        plugins = self.hooks["on_client_released"]
+        if not plugins:
+            return
+        released = MappingProxyType({name: view.clone() for name, view in ctx.payload.items()})
+        ctx.payload = released
+        for p in plugins:
+            p.on_client_released(client=ctx, released=released)
 
     def _count_skipped(self, ctx: ClientContext) -> None:
         if not bool(torch.isfinite(self.aggregator.row).all()):

@@ -7,7 +7,8 @@ from typing import Any
 from dpfl_lightning.plugins.base import FederatedCallback
 
 HOOKS = ("before_round", "on_client_start", "on_before_optimizer_step", "wrap_optimizer", "on_client_end",
-         "on_aggregate", "on_server_update", "on_round_end", "on_fit_start", "on_fit_end", "evaluation_params")
+         "on_client_released", "on_aggregate", "on_server_update", "on_round_end", "on_fit_start", "on_fit_end",
+         "evaluation_params")
 
 
 def overrides(plugin: Any, hook: str) -> bool:

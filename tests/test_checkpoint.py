@@ -236,3 +236,58 @@ def test_a_run_directory_names_its_newest_version_with_a_checkpoint(tmp_path):
     assert resolve_run(str(v0)) == (str(v0 / "config.yaml"), str(v0 / "checkpoints" / "last.ckpt"))
     assert resolve_run(str(v0 / "checkpoints" / "last.ckpt"))[0] == str(v0 / "config.yaml")
     assert resolve_run(str(root / "version_2")) == (str(root / "version_2" / "config.yaml"), None)
+
+
+class _StepDecay(TinyClassifier):
+    """A learning rate stepped every local optimizer step: where each client starts a round follows its
+    own steps per round (its batches), which a resumed run recomputes from the data."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.7),
+                                                   "interval": "step"}}
+
+
+def _uneven_clients():
+    """Clients of 5, 9 and 14 records: 2, 3 and 4 batches of 4 a local epoch."""
+    from dpfl_lightning import FederatedDataModule
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 10, generator=g), torch.arange(40) % 10
+    clients = [list(range(0, 5)), list(range(5, 14)), list(range(14, 28))]
+    return FederatedDataModule.from_tensors(x, y, x[28:], y[28:], client_indices=clients)
+
+
+def test_a_dp_run_under_local_epochs_writes_the_rounds_as_global_step_and_resumes_exactly(tmp_path):
+    """A DP run whose clients' steps per round follow their sizes writes ``global_step`` = rounds done
+    (the largest client's 4 batches x rounds would speak about one client's data); nothing reads it
+    back: the resumed run recomputes each client's schedule from the data and ends bit-identical to
+    the uninterrupted one, and its Lightning checkpoint loads in ``lightning.Trainer``."""
+    import lightning
+
+    def trainer(log_dir, rounds, **kw):
+        return quiet_trainer(log_dir, rounds=rounds, local_epochs=1, seed=5, checkpoint_every=1,
+                             plugins=[UpdateClipping(0.5), GaussianNoise(noise_multiplier=0.3)], **kw)
+
+    full = trainer(str(tmp_path / "a"), 4, final_checkpoint=True)
+    ref = full.fit(_StepDecay(), _uneven_clients())
+    assert [ckpt.load(os.path.join(full.checkpoint_dir, f"round-{r:06d}.ckpt"))["global_step"]
+            for r in (1, 2, 3, 4)] == [1, 2, 3, 4]
+    first = trainer(str(tmp_path / "b"), 2)
+    first.fit(_StepDecay(), _uneven_clients())
+    resumed = trainer(str(tmp_path / "b"), 4)
+    out = resumed.fit(_StepDecay(seed=9), _uneven_clients(), ckpt_path="last")
+    assert torch.equal(out.global_params, ref.global_params)
+    assert ckpt.load(os.path.join(resumed.checkpoint_dir, "last.ckpt"))["global_step"] == 4
+
+    final = os.path.join(full.checkpoint_dir, "final.ckpt")
+    g = torch.Generator().manual_seed(4)
+    test_set = torch.utils.data.TensorDataset(torch.randn(8, 10, generator=g), torch.arange(8) % 10)
+    pl = lightning.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                           enable_checkpointing=False, default_root_dir=str(tmp_path / "pl"))
+    model = _StepDecay(seed=9)
+    checked = pl.validate(model, dataloaders=torch.utils.data.DataLoader(test_set, batch_size=4), ckpt_path=final,
+                          verbose=False)
+    saved = torch.load(final, weights_only=False)
+    assert checked and (saved["epoch"], saved["global_step"]) == (4, 4)
+    assert all(torch.equal(v, saved["state_dict"][k]) for k, v in model.state_dict().items())

@@ -39,9 +39,10 @@ from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.canary import NOISE_CHECKS, THREAT_MODELS, CanaryClients
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
-from dpfl_lightning.privacy.audit import clopper_pearson_upper, epsilon_from_rates, many_run_lower_bound
+from dpfl_lightning.privacy.audit import many_run_lower_bound
 from dpfl_lightning.privacy.audit_bounds import (Guesses, curve_refutable, curve_rejected, gdp_ceiling,
-                                                  profile_tradeoff)
+                                                  many_run_ceiling, profile_tradeoff, propose_settings)
+from dpfl_lightning.sampling import ClientSampler
 
 
 def _build(parser: ArgumentParser, cfg: Any, **trainer_settings: Any):
@@ -109,27 +110,35 @@ def _refuse_record_level(ledger: PrivacyLedger) -> None:
             "guarantee, so there is nothing to audit", "add UpdateClipping and GaussianNoise to trainer.plugins")
 
 
-def _canaries_that_reach(eps: float, delta: float, confidence: float, clients: int) -> int | None:
-    """The fewest canaries (doubling from 100, at most half the clients) whose Gaussian-DP bound can
-    exceed ``eps``, or None."""
-    k = 100
-    while k <= clients // 2:
-        if gdp_ceiling(k, delta, confidence).epsilon > eps:
-            return k
-        k *= 2
-    return None
+def _cohort(trainer: Any, clients: int) -> float:
+    """The expected cohort of the configuration (as :func:`~dpfl_lightning.run.setup.prepare_privacy` samples)."""
+    s = trainer.settings
+    rate = s.sampling_rate
+    if s.sampling == "poisson" and rate is None and s.clients_per_round is not None:
+        rate = s.clients_per_round / clients
+    return ClientSampler(s.sampling, clients, s.clients_per_round, rate).expected_cohort
 
 
-def _cannot_detect(eps: float, ceiling: float, m: int, delta: float, each: float, clients: int) -> int:
-    print(f"this audit cannot detect a violation here: with {m} canaries at delta={delta:g} the bound can reach at "
-          f"most epsilon {ceiling:.3g} (every guess right), below the ledger's {eps:.4g}; the run still trains for "
-          "the noise check (less noise than declared shows at any epsilon)")
-    k = _canaries_that_reach(eps, delta, each, clients)
-    if k is not None:
-        print(f"settings that would: --canaries {k} (or more; at most half the {clients} clients)")
+def _cannot_detect(trainer: Any, eps: float, ceiling: float, reach: str, delta: float, canaries: int,
+                   confidence: float, threats: int, clients: int) -> int:
+    """Say before training that ``reach`` (the settings in force) cannot exceed ``eps``, and which would."""
+    print(f"this audit cannot detect a violation here: {reach} at delta={delta:g} the bound can reach at most "
+          f"epsilon {ceiling:.3g} (every guess right), below the ledger's {eps:.4g}")
+    cohort = _cohort(trainer, clients)
+    p = propose_settings(eps, delta, canaries=canaries, clients=clients, rounds=trainer.rounds, cohort=cohort,
+                         canary_confidence=1.0 - (1.0 - confidence) / (threats + len(NOISE_CHECKS)),
+                         trial_confidence=1.0 - (1.0 - confidence) / len(THREAT_MODELS))
+    basis = f"{trainer.rounds} rounds x {cohort:g} clients per round"
+    if p.canaries is not None:
+        print(f"settings that would: --canaries {p.canaries} (the bound can then reach epsilon {p.ceiling:.3g}); "
+              f"run time basis: one run of {basis} = {p.client_updates:g} client updates")
+    elif p.trials is not None:
+        print(f"settings that would: --trials {p.trials} (no number of canaries up to half the {clients} clients "
+              f"reaches it; the many-run bound can then reach epsilon {p.ceiling:.3g}); run time basis: "
+              f"{2 * p.trials} runs of {basis} = {p.client_updates:g} client updates")
     else:
-        print(f"settings that would: none with at most {clients // 2} canaries; audit a configuration whose "
-              "ledger epsilon is lower (more noise, fewer rounds or a lower sampling rate), or use more clients")
+        print(f"settings that would: none with at most {clients // 2} canaries or 32768 trials; audit a "
+              "configuration whose ledger epsilon is lower (more noise, fewer rounds or a lower sampling rate)")
     return EXIT_CANNOT_DETECT
 
 
@@ -147,7 +156,9 @@ def _plan(trainer: Any, model: Any, data: Any, m: int, confidence: float) -> tup
     each = 1.0 - (1.0 - confidence) / (threats + len(NOISE_CHECKS))  # the canary tests and the noise checks
     ceiling = gdp_ceiling(m, ledger.delta, each).epsilon
     if ceiling <= lowest and trainer.is_global_zero:
-        return _cannot_detect(lowest, ceiling, m, ledger.delta, each, data.num_clients), each
+        _cannot_detect(trainer, lowest, ceiling, f"with {m} canaries", ledger.delta, m, confidence, threats,
+                       data.num_clients)
+        print("the run still trains for the noise check (less noise than declared shows at any epsilon)")
     return (EXIT_CANNOT_DETECT if ceiling <= lowest else None), each
 
 
@@ -247,15 +258,6 @@ def _trial(parser: ArgumentParser, cfg: Any, inserted: str, log_dir: str):
     return trainer, plugin.delta_used, {name: float(score[0]) for name, score in plugin.scores.items()}
 
 
-def many_run_ceiling(trials: int, delta: float, confidence: float) -> float:
-    """The most :func:`~dpfl_lightning.privacy.audit.many_run_lower_bound` can give with ``trials``
-    runs per world: no error among the held-out half."""
-    n = trials - trials // 2
-    alpha = (1.0 - confidence) / 2
-    rate = clopper_pearson_upper(0, n, alpha)
-    return epsilon_from_rates(rate, rate, delta)
-
-
 def _many_runs(parser: ArgumentParser, cfg: Any) -> int:
     a = cfg.audit
     require(a.trials >= 4, "--trials", a.trials, "the many-run bound needs at least 4 runs per world",
@@ -269,13 +271,9 @@ def _many_runs(parser: ArgumentParser, cfg: Any) -> int:
     each = 1.0 - (1.0 - a.confidence) / len(THREAT_MODELS)
     ceiling = many_run_ceiling(a.trials, ledger.delta, each)
     if ceiling <= planned:
-        print(f"this audit cannot detect a violation here: {a.trials} runs per world reach at most epsilon "
-              f"{ceiling:.3g} at delta={ledger.delta:g}, below the ledger's {planned:.4g}")
-        more = next((n for n in (2 ** j for j in range(3, 16)) if many_run_ceiling(n, ledger.delta, each) > planned),
-                    None)
-        print(f"settings that would: --trials {more}" if more else "settings that would: none below 32768 trials; "
-              "use the one-run audit (--canaries)")
-        return EXIT_CANNOT_DETECT
+        threats = 3 if any(g.audience == "server" for g in ledger.guarantees) else 2
+        return _cannot_detect(trainer, planned, ceiling, f"{a.trials} runs per world", ledger.delta, 1, a.confidence,
+                              threats, data.num_clients)
     t0 = time.perf_counter()
     scores: dict[str, dict[str, list[float]]] = {w: {} for w in ("all", "none")}
     with tempfile.TemporaryDirectory(prefix="dpfl-audit-") as log_dir:

@@ -2,6 +2,7 @@
 planted bugs (user plugins that declare the honest mechanism and do less, :mod:`planted_bugs`)."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -67,6 +68,43 @@ def test_perfect_separation_refutes_a_small_epsilon_and_not_a_huge_one():
     assert not ab.curve_refutable(ab.profile_tradeoff([(30.0, 1e-12)]), 200)
 
 
+
+def _gdp_delta(eps, mu):  # mu-GDP's delta at eps (Dong, Roth, Su 2019, Cor. 2.13), evaluated directly
+    return scipy.stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * scipy.stats.norm.cdf(-eps / mu - mu / 2)
+
+
+def test_proposed_canaries_reach_the_ledger_as_the_audits_own_bound_on_a_perfect_run_shows():
+    eps, delta, each = 4.0, 1e-5, 0.99
+    assert ab.gdp_ceiling(100, delta, each).epsilon <= eps  # 100 canaries cannot
+    p = ab.propose_settings(eps, delta, canaries=100, clients=10_000, rounds=20, cohort=25.0,
+                            canary_confidence=each, trial_confidence=0.99)
+    assert 100 < p.canaries <= 5000 and p.trials is None and p.client_updates == 20 * 25
+    inserted = np.arange(p.canaries) % 2 == 0  # every guess right: the inserted canaries score 1, the others 0
+    direct = ab.gdp_lower_bound(inserted.astype(float), inserted, delta, each)
+    assert direct.epsilon == pytest.approx(p.ceiling, rel=1e-9) and p.ceiling > eps
+    assert _gdp_delta(direct.epsilon, direct.mu) == pytest.approx(delta, rel=1e-4)
+
+
+def test_when_no_canaries_reach_the_ledger_the_fewest_many_run_trials_are_proposed():
+    from dpfl_lightning.privacy.audit import many_run_lower_bound
+
+    eps, delta, each = 3.0, 1e-3, 0.99
+    p = ab.propose_settings(eps, delta, canaries=5, clients=20, rounds=4, cohort=10.0, canary_confidence=each,
+                            trial_confidence=each)
+    assert p.canaries is None and p.trials >= 4 and p.client_updates == 2 * p.trials * 4 * 10
+    n = p.trials - p.trials // 2  # held-out runs per world; no error among them
+    rate = 1 - ((1 - each) / 2) ** (1 / n)  # Clopper-Pearson upper bound of 0 errors in n, closed form
+    assert p.ceiling == pytest.approx(math.log((1 - delta - rate) / rate), rel=1e-9) and p.ceiling > eps
+    runs = many_run_lower_bound(np.ones(p.trials), np.zeros(p.trials), delta, each)
+    assert runs.epsilon == pytest.approx(p.ceiling, rel=1e-9)
+    assert ab.many_run_ceiling(p.trials - 1, delta, each) <= eps  # and one trial fewer would not
+
+
+def test_nothing_is_proposed_where_no_setting_reaches_the_ledger():
+    p = ab.propose_settings(80.0, 1e-6, canaries=100, clients=1000, rounds=5, cohort=10.0, canary_confidence=0.99,
+                            trial_confidence=0.99)
+    assert p.canaries is None and p.trials is None and p.ceiling <= 80.0
+
 # --------------------------------------------------------------------------- dpfl audit on planted bugs
 CLIP = {"class_path": "dpfl_lightning.plugins.UpdateClipping", "init_args": {"max_norm": 1.0}}
 NOISE = {"class_path": "dpfl_lightning.plugins.GaussianNoise", "init_args": {"noise_multiplier": 2.0}}
@@ -107,12 +145,17 @@ def test_the_honest_clip_and_noise_are_consistent(tmp_path, capsys):
     assert code == 0 and "consistent" in out and "REFUTED" not in out
 
 
-def test_a_ledger_out_of_reach_is_said_before_training_and_the_noise_check_still_runs(tmp_path, capsys):
-    code, _ = _audit(_config(tmp_path, noise={**NOISE, "init_args": {"noise_multiplier": 0.3}}, rounds=5),
-                     "--canaries", "100")
+def test_a_ledger_out_of_reach_is_said_before_training_with_settings_that_reach_it(tmp_path, capsys):
+    config = _config(tmp_path, noise={**NOISE, "init_args": {"noise_multiplier": 0.65}}, rounds=5)  # ledger ~4.0
+    code, _ = _audit(config, "--canaries", "100")
     out = capsys.readouterr().out
     assert code == 5 and out.index("this audit cannot detect a violation here") < out.index("dpfl audit:")
-    assert "the declared noise is there" in out
+    assert "one run of 5 rounds x 25 clients per round = 125 client updates" in out
+    assert "the declared noise is there" in out  # the run still trained, for the noise check
+    k = re.search(r"settings that would: --canaries (\d+)", out).group(1)
+    code, _ = _audit(config, "--canaries", k)  # the proposed canaries: the check passes and the test can refute
+    out = capsys.readouterr().out
+    assert code == 0 and "cannot" not in out and "not refuted" in out
 
 
 @pytest.mark.parametrize("noise", ["HalfNoise", "HalfCoordinateNoise"])

@@ -31,6 +31,8 @@ What it is used for here:
   Gaussian: its GDP bound can exceed its true epsilon at a small delta).
 - :func:`gdp_ceiling` / :func:`curve_refutable` -- what the audit can reach before it runs: the
   bound with every guess right, and whether even that could refute the ledger's curve.
+- :func:`propose_settings` -- when they cannot: the canaries (else the many-run trials) whose
+  ceiling exceeds the ledger's epsilon, and the client updates such an audit trains.
 - :func:`noise_check` -- not a privacy bound but a test of the ledger's premise: a chi-square lower
   tail of the declared Gaussian noise in released values (valid whatever the signal), which reaches
   noise bugs at any ledger epsilon, where the canaries cannot.
@@ -53,7 +55,7 @@ import scipy.special
 import scipy.stats
 
 from dpfl_lightning.errors import require
-from dpfl_lightning.privacy.audit import gaussian_epsilon
+from dpfl_lightning.privacy.audit import clopper_pearson_upper, epsilon_from_rates, gaussian_epsilon
 
 #: fractions ``k / m`` of the canaries guessed "in" (top scores), each with as many "out" guesses
 #: (bottom scores). Few tries keep the Bonferroni level high: on synthetic 1-GDP scores of 500
@@ -197,6 +199,64 @@ def curve_refutable(f: Tradeoff, m: int, confidence: float = 0.95) -> bool:
     tau = (1.0 - confidence) / len(tries)
     return any(fdp_rejects(f, m, t.guesses, t.correct, tau) for t in tries)
 
+
+
+def many_run_ceiling(trials: int, delta: float, confidence: float) -> float:
+    """The most :func:`~dpfl_lightning.privacy.audit.many_run_lower_bound` can give with ``trials``
+    runs per world: no error among the held-out half (``trials - trials // 2`` runs per world)."""
+    n = trials - trials // 2
+    rate = clopper_pearson_upper(0, n, (1.0 - confidence) / 2)
+    return epsilon_from_rates(rate, rate, delta)
+
+
+def _first_above(ceiling: Callable[[int], float], eps: float, start: int, cap: int) -> int | None:
+    """An ``n`` in ``(start, cap]`` with ``ceiling(n) > eps``, near the fewest: doubling from
+    ``start`` until one is found, then bisection between the last two (the ceilings grow with ``n``
+    up to the rounding of guess counts, so the answer is checked, not assumed: ``ceiling(n) > eps``
+    always holds for the ``n`` returned). None when not even ``cap`` reaches ``eps``."""
+    lo, hi = start, max(start + 1, 2 * start)
+    while hi < cap and not ceiling(hi) > eps:
+        lo, hi = hi, 2 * hi
+    hi = min(hi, cap)
+    if hi <= start or not ceiling(hi) > eps:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ceiling(mid) > eps else (mid, hi)
+    return hi
+
+
+@dataclass(frozen=True)
+class AuditProposal:
+    """Audit settings whose bound can exceed a ledger's epsilon: ``canaries`` for one run (None when
+    none up to the cap can), else ``trials`` runs per world of the many-run audit (None when none up
+    to the cap can); the ``ceiling`` of the settings proposed, and ``client_updates`` (rounds x
+    expected cohort, summed over the runs) as the basis of the audit's run time."""
+
+    canaries: int | None
+    trials: int | None
+    ceiling: float
+    client_updates: float
+
+
+def propose_settings(eps: float, delta: float, *, canaries: int, clients: int, rounds: int, cohort: float,
+                     canary_confidence: float, trial_confidence: float, max_trials: int = 1 << 15) -> AuditProposal:
+    """What would reach a ledger epsilon ``eps`` at ``delta`` that ``canaries`` cannot: more canaries
+    (at most half the ``clients``; each one-run test at ``canary_confidence``, :func:`gdp_ceiling`),
+    else the many-run audit's trials (each test at ``trial_confidence``, :func:`many_run_ceiling`).
+    ``rounds`` and the expected ``cohort`` of the configuration give the client updates to train:
+    ``rounds x cohort`` for one run, ``2 trials`` times that for the many-run audit."""
+    require(eps >= 0 and 0 < delta < 1, "audit proposal", (eps, delta), "needs epsilon >= 0 and delta in (0, 1)",
+            "pass the ledger's epsilon and delta")
+    per_run = rounds * cohort
+    k = _first_above(lambda n: gdp_ceiling(n, delta, canary_confidence).epsilon, eps, max(canaries, 2), clients // 2)
+    if k is not None:
+        return AuditProposal(k, None, gdp_ceiling(k, delta, canary_confidence).epsilon, per_run)
+    n = _first_above(lambda t: many_run_ceiling(t, delta, trial_confidence), eps, 3, max_trials)
+    if n is not None:
+        return AuditProposal(None, n, many_run_ceiling(n, delta, trial_confidence), 2 * n * per_run)
+    return AuditProposal(None, None, max(gdp_ceiling(max(clients // 2, 2), delta, canary_confidence).epsilon,
+                                         many_run_ceiling(max_trials, delta, trial_confidence)), 0.0)
 
 # --------------------------------------------------------------------------- the noise the run really adds
 #: contiguous blocks of the update whose noise is checked one by one (noise missing from part of the

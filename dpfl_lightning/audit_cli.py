@@ -20,7 +20,7 @@ Before training, the audit computes the most its bound can show for this delta a
 canaries (or trials); if that is below the ledger's epsilon it says so and which settings would
 (the one-run audit still trains, for the noise check; the many-run audit trains nothing). Exit status: 0 consistent; 3 violated (the
 ledger's statement is refuted, or less noise than declared); 4
-suspect (an estimate's interval lies above the ledger's epsilon, no refutation); 5 this audit cannot
+suspect (the Gaussian fit's lower confidence bound lies above the ledger's epsilon, no refutation); 5 this audit cannot
 detect a violation here; 1 and 2 as every ``dpfl`` command (a failure, a bad configuration). A
 record-level (DP-SGD) configuration is refused: record-level DP is not audited.
 """
@@ -39,7 +39,7 @@ from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.canary import NOISE_CHECKS, THREAT_MODELS, CanaryClients
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
-from dpfl_lightning.privacy.audit import many_run_lower_bound
+from dpfl_lightning.privacy.audit import gaussian_fit_lower_bound, many_run_lower_bound
 from dpfl_lightning.privacy.audit_bounds import (Guesses, curve_refutable, curve_rejected, gdp_ceiling,
                                                   many_run_ceiling, profile_tradeoff, propose_settings)
 from dpfl_lightning.sampling import ClientSampler
@@ -164,7 +164,7 @@ def _plan(trainer: Any, model: Any, data: Any, m: int, confidence: float) -> tup
 
 def _noise_rows(plugin: CanaryClients, each: float) -> list[tuple[str, ...]]:
     """The noise check's rows: where the noise was read, and its bound on the observed std."""
-    rows = []
+    rows = [] if plugin.noise_checks(each) else [("noise check", "-", "not run", "no Gaussian noise read", "-")]
     for name, c in plugin.noise_checks(each).items():
         test = ("REFUTED (less noise than declared)" if c.refuted else "the declared noise is there")
         rows.append((NOISE_CHECKS[name], "-", f"std <= {c.upper:.3g} x declared", f"{c.coordinates} entries", test))
@@ -181,10 +181,11 @@ class Verdict:
     gdp: Any
     refuted: Guesses | None
     refutable: bool
+    fit_low: float = 0.0  # the Gaussian fit's lower confidence bound (exact for Gaussian scores)
 
     @property
     def suspect(self) -> bool:
-        return self.estimate is not None and self.estimate.low > self.ledger_eps
+        return self.fit_low > self.ledger_eps
 
 
 def _verdicts(trainer: Any, plugin: CanaryClients, each: float) -> list[Verdict]:
@@ -194,8 +195,10 @@ def _verdicts(trainer: Any, plugin: CanaryClients, each: float) -> list[Verdict]
         g = _guarantee_for(ledger, name)
         f = profile_tradeoff([(_epsilon_of(ledger, g, d), d) for d in PROFILE_DELTAS])
         scores = plugin.scores[name].numpy()
+        low = (gaussian_fit_lower_bound(scores[ins], scores[~ins], ledger.delta, each)
+               if 2 <= ins.sum() <= len(ins) - 2 else 0.0)
         out.append(Verdict(name, _epsilon_of(ledger, g, ledger.delta), res.estimate, res.gdp,
-                           curve_rejected(f, scores, ins, each), curve_refutable(f, len(scores), each)))
+                           curve_rejected(f, scores, ins, each), curve_refutable(f, len(scores), each), low))
     return out
 
 
@@ -216,12 +219,14 @@ def _status(verdicts: list[Verdict], noise: list, reach: int | None) -> tuple[in
         return EXIT_VIOLATED, ("VIOLATED: the released values hold less noise than the mechanisms declare, so the "
                                "ledger accounts noise the run does not add")
     if any(v.suspect for v in verdicts):
-        return EXIT_SUSPECT, ("SUSPECT: an estimate's interval lies above the ledger's epsilon, though no test "
-                              "refutes it: rerun with more canaries")
+        return EXIT_SUSPECT, ("SUSPECT: the Gaussian fit's lower confidence bound lies above the ledger's epsilon "
+                              "(valid if the scores are Gaussian), though no test refutes it: rerun with more canaries")
     if reach is not None or not any(v.refutable for v in verdicts):
+        checked = ("the noise check found the declared noise" if noise else
+                   "no Gaussian noise was read, so no noise check ran")
         return EXIT_CANNOT_DETECT, ("this audit cannot detect a violation here: even canaries guessed without an "
-                                    "error could not refute the ledger's curve (the noise check found the declared "
-                                    "noise; a clip that does not clip would not show)")
+                                    f"error could not refute the ledger's curve ({checked}; a clip that does not "
+                                    "clip would not show)")
     return EXIT_CONSISTENT, "consistent: the canaries do not refute the ledger's privacy curve"
 
 

@@ -105,6 +105,30 @@ def test_nothing_is_proposed_where_no_setting_reaches_the_ledger():
                             trial_confidence=0.99)
     assert p.canaries is None and p.trials is None and p.ceiling <= 80.0
 
+
+def test_the_suspect_bound_holds_at_four_canaries_where_the_bootstrap_interval_does_not():
+    from dpfl_lightning.privacy.audit import gaussian_epsilon, gaussian_fit_estimate, gaussian_fit_lower_bound
+
+    mu, delta, conf = 126.5, 1e-3, 0.99  # dp_scaffnew_quadratic's messages at 10 rounds: 10 canaries, ~4 inserted
+    truth = gaussian_epsilon(mu, delta)
+    g = np.random.default_rng(0)
+    above = boot_above = 0
+    for seed in range(200):
+        ins, out = mu + g.normal(size=4), g.normal(size=6)
+        above += gaussian_fit_lower_bound(ins, out, delta, conf) > truth
+        boot_above += gaussian_fit_estimate(ins, out, delta, conf, resamples=300, seed=seed).low > truth
+    assert above <= 4 and boot_above >= 20  # 1% expected; the bootstrap's lower end misses far more often
+
+
+def test_the_suspect_bound_sees_scores_twice_as_separated_as_the_ledger_allows():
+    from dpfl_lightning.privacy.audit import gaussian_epsilon, gaussian_fit_lower_bound
+
+    g = np.random.default_rng(1)
+    ledger = gaussian_epsilon(1.5, 1e-5)
+    seen = sum(gaussian_fit_lower_bound(3.0 + g.normal(size=100), g.normal(size=100), 1e-5, 0.99) > ledger
+               for _ in range(10))
+    assert seen >= 8
+
 # --------------------------------------------------------------------------- dpfl audit on planted bugs
 CLIP = {"class_path": "dpfl_lightning.plugins.UpdateClipping", "init_args": {"max_norm": 1.0}}
 NOISE = {"class_path": "dpfl_lightning.plugins.GaussianNoise", "init_args": {"noise_multiplier": 2.0}}

@@ -49,7 +49,8 @@ ROWS = {  # name -> (is a bug, plugins, trainer settings)
                                               noise(placement="distributed")], {}),
     "honest: central, uniform, z=1": (False, [CLIP, noise(noise_multiplier=1.0)], {"sampling": "uniform"}),
 }
-SHIPPED = ("quickstart.yaml", "adaptive_clipping_digits.yaml", "dp_scaffold_synthetic.yaml", "clip_quadratic.yaml")
+SHIPPED = ("quickstart.yaml", "adaptive_clipping_digits.yaml", "dp_scaffold_synthetic.yaml", "clip_quadratic.yaml",
+           "normfedavg_quadratic.yaml", "cdp_fedexp_linear.yaml", "ldp_fedexp_privunit.yaml", "dp_scaffnew_quadratic.yaml")
 
 
 def config(plugins: list, trainer: dict, log_dir: str) -> dict:

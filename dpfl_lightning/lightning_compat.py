@@ -303,16 +303,7 @@ class LightningRun:
             require(settings.accumulate_grad_batches == 1, "trainer.accumulate_grad_batches",
                     settings.accumulate_grad_batches, "automatic gradient accumulation is not supported with manual "
                     "optimization (as in Lightning)", "accumulate in training_step, or remove the setting")
-        executor = settings.executor
-        if executor != "sequential":
-            wanted = [name for name, on in (
-                ("gradient_clip_val", bool(settings.gradient_clip_val)),
-                ("accumulate_grad_batches", settings.accumulate_grad_batches != 1),
-                ("precision", settings.precision != "32-true"),
-                ("on_train_epoch_start/end", is_overridden(inner, "on_train_epoch_start")
-                 or is_overridden(inner, "on_train_epoch_end"))) if on]
-            require(not wanted, "trainer.executor", executor, f"the vectorised step runs only training_step and an "
-                    f"elementwise optimizer, not {', '.join(wanted)}", "use executor='sequential'")
+        # (what the vmap executor cannot run of these settings it refuses in its own set-up)
         module.configure_loop(LoopSettings(
             rounds=settings.rounds, accumulate_grad_batches=settings.accumulate_grad_batches,
             gradient_clip_val=settings.gradient_clip_val or None, gradient_clip_algorithm=settings.gradient_clip_algorithm,

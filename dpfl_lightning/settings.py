@@ -86,7 +86,7 @@ def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:  # noqa: C901 -
     return s
 
 
-EXECUTOR_NAMES = ("sequential", "vmap")
+EXECUTOR_NAMES = ("auto", "sequential", "vmap")
 _OBJECTS = ("plugins", "loggers", "algorithm", "callbacks")  # arguments that are objects, not settings
 
 
@@ -132,7 +132,7 @@ class TrainerSettings:
     enable_summary: bool = True
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
-    executor: str = "sequential"
+    executor: str = "auto"
     log_client_metrics: bool | None = None
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str | None = None

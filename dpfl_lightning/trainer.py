@@ -27,7 +27,7 @@ from dpfl_lightning.comm import Communicator, make_communicator
 from dpfl_lightning.contexts import ServerContext
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import require
-from dpfl_lightning.executor import EXECUTORS, Executor
+from dpfl_lightning.executor import Executor, make_executor
 from dpfl_lightning.lightning_options import refuse_unknown_arguments
 from dpfl_lightning.lightning_compat import LightningRun
 from dpfl_lightning.loggers import RoundProgress
@@ -92,8 +92,8 @@ class FederatedTrainer:
         enable_progress_bar / enable_summary: the console progress bar and end-of-run table.
         checkpoint_every: write a checkpoint every this many rounds (and after the last); ``None``: never.
         checkpoint_dir: default: the fit's ``<log_dir>/<run_name>/version_N/checkpoints``.
-        executor: ``sequential`` (every hook, any module) or ``vmap`` (clients of a rank trained
-            together with ``torch.func.vmap``; see :class:`~dpfl_lightning.executor.VmapExecutor`).
+        executor: ``auto`` (``vmap`` where it gives ``sequential``'s bits, else ``sequential``; the summary
+            says which and why), ``sequential`` (every hook, any module) or ``vmap`` (see :mod:`~dpfl_lightning.executor`).
         log_client_metrics: release statistics computed from client data without noise (the
             training loss the module logs, per-client evaluation, skipped clients, clipping
             statistics). ``None`` (default): only in runs without DP; ``True`` in a DP run is an
@@ -151,7 +151,7 @@ class FederatedTrainer:
         enable_summary: bool = True,
         checkpoint_every: int | None = None,
         checkpoint_dir: str | None = None,
-        executor: str = "sequential",
+        executor: str = "auto",
         log_client_metrics: bool | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
@@ -168,7 +168,7 @@ class FederatedTrainer:
         self.callbacks: list[Callback] = list(callbacks or [])
         preset = list(algorithm.plugins()) if algorithm is not None else []
         self.plugins: list[FederatedCallback] = sorted(preset + list(plugins or []), key=lambda p: p.order)
-        self.executor: Executor = EXECUTORS[self.settings.executor]()
+        self.executor: Executor = make_executor(self.settings.executor, self.settings.batch_size)
         self.config: dict[str, Any] | None = None  # the resolved run configuration, set by the CLI
         self.comm: Communicator | None = None
         self.status = RunStatus()
@@ -289,7 +289,7 @@ class FederatedTrainer:
         start = self._checkpoints.restore(state, run) if state is not None else 0
         open_version(self.settings, self.comm, self.status, ckpt_path, state)  # the run's version_N (every rank)
         loggers = open_loggers(self.settings, self.extra_loggers, run, self.status, self._run_config(),
-                               start if state is not None else None) if self.is_global_zero else []
+                               start if state is not None else None, self.executor) if self.is_global_zero else []
         progress = round_progress(self.settings, run, start, self.is_global_zero, signals)  # (epsilon notes)
         self.call_hook("on_fit_start", ctx=run.ctx)
         run.print_privacy_statement(self.is_global_zero and self.enable_summary)
@@ -307,7 +307,7 @@ class FederatedTrainer:
         if self.final_checkpoint:
             self.save_lightning_checkpoint(os.path.join(self.checkpoint_dir, "final.ckpt"))
         if self.enable_summary and self.is_global_zero:
-            print_run_summary(self.settings, run, self.status, data.num_clients, self.world_size)
+            print_run_summary(self.settings, run, self.status, data.num_clients, self.world_size, self.executor)
 
     # ------------------------------------------------------------------ validate, test, predict
     def validate(self, model: Any = None, dataloaders: Any = None, ckpt_path: str | None = None, verbose: bool = True,

@@ -14,7 +14,7 @@ from torchmetrics import Metric
 from dpfl_lightning import optimizer_calls
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.executor.base import Executor, RoundWork, TrainedClient
-from dpfl_lightning.module import ClientRun, parse_optimizers, step_loss
+from dpfl_lightning.module import ClientRun, is_overridden, parse_optimizers, step_loss
 from dpfl_lightning.plan import batch_shape
 
 
@@ -133,6 +133,15 @@ class VmapExecutor(Executor):
             raise ConfigError("trainer.executor", "vmap", f"plugins {changes_local_steps} change gradients or optimizers "
                               "inside local steps", "use executor='sequential'")
         hooks = module.overridden_step_hooks + module.overridden_transfer_hooks
+        loop = module.loop
+        wanted = [name for name, on in (
+            ("gradient_clip_val", bool(loop.gradient_clip_val)), ("accumulate_grad_batches", loop.accumulate_grad_batches != 1),
+            ("precision", loop.precision != "32-true"),
+            ("on_train_epoch_start/end", is_overridden(m, "on_train_epoch_start") or is_overridden(m, "on_train_epoch_end")))
+            if on]
+        if wanted:
+            raise ConfigError("trainer.executor", "vmap", f"the vectorised step runs only training_step and an "
+                              f"elementwise optimizer, not {', '.join(wanted)}", "use executor='sequential'")
         if hooks:
             raise ConfigError("trainer.executor", "vmap", f"the module overrides {hooks}, which the vectorised "
                               "step does not call", "use executor='sequential'")
@@ -168,6 +177,40 @@ class VmapExecutor(Executor):
         self._slices = module.parameter_slices
         self._fn = torch.func.vmap(torch.func.grad_and_value(self._loss, has_aux=True), randomness="error")
         self._trial(module, data)
+
+    def refusal(self, module, data, changes_local_steps: list[str], exact_batch: int | None = None) -> str | None:
+        """Why this executor cannot run ``module`` with these plugins, or ``None``: :meth:`setup`'s own
+        refusal (its ``problem``), set up when there is none. With ``exact_batch``, also why its result
+        could differ in bits from the sequential executor's: one vectorised gradient of two clients at
+        batch size ``exact_batch`` on synthetic data (never a client's: the answer may be printed in a
+        DP run) must equal, bit for bit, the same gradient taken one client at a time."""
+        try:
+            self.setup(module, data, changes_local_steps)
+        except ConfigError as exc:
+            return exc.problem
+        return None if exact_batch is None else self._inexact(module, data, exact_batch)
+
+    def _inexact(self, module, data, batch_size: int) -> str | None:
+        """Why one vectorised step is not bit-equal to the unvectorised one (see :meth:`refusal`), or ``None``."""
+        generator = torch.Generator().manual_seed(0)
+        batch = tuple(torch.randn(2, batch_size, *t.shape[1:], generator=generator, dtype=t.dtype)
+                      if t.is_floating_point() else torch.zeros(2, batch_size, *t.shape[1:], dtype=t.dtype)
+                      for t in data.in_memory_tensors)
+        params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
+        one = torch.func.grad_and_value(self._loss, has_aux=True)
+        try:
+            together, _ = self._fn(params, batch)
+            apart = [one({n: v[j] for n, v in params.items()}, tuple(t[j] for t in batch))[0] for j in range(2)]
+        except Exception as exc:  # noqa: BLE001 - what cannot be checked is not chosen
+            return f"its step could not be checked on synthetic data ({type(exc).__name__})"
+        finally:
+            for m in module.inner.modules():
+                if isinstance(m, Metric):
+                    m.reset()
+        if not all(torch.equal(together[n][j], apart[j][n]) for j in range(2) for n in self._names):
+            return (f"its vectorised gradients differ in the last bits from the sequential step's at batch size "
+                    f"{batch_size} (other kernels)")
+        return None
 
     def _trial(self, module, data) -> None:
         """One vectorised step on two copies of a real batch, at set-up: what vmap cannot run

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpfl_lightning.executor import Executor, executor_choice
 from dpfl_lightning.loggers import (RoundProgress, annotated_rows, epsilon_notes, log_privacy_settings, make_loggers,
                                     print_summary, privacy_settings, summary_rows)
 from dpfl_lightning.run.setup import RunSetup
@@ -13,9 +14,12 @@ from dpfl_lightning.settings import TrainerSettings
 
 
 def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, status: RunStatus,
-                 config: dict[str, Any], resume_round: int | None) -> list[Any]:
+                 config: dict[str, Any], resume_round: int | None, executor: Executor | None = None) -> list[Any]:
     """Rank 0's loggers (call on rank 0 only), writing the fit's ``status.version``, with the privacy
-    settings of a DP run."""
+    settings of a DP run; the hyperparameters carry ``executor_choice`` (what trains the clients, and
+    for ``executor="auto"`` why: a public function of the module, plugins and settings)."""
+    if executor is not None:
+        config = {**config, "executor_choice": executor_choice(executor)}
     loggers = make_loggers(settings.log_dir, settings.run_name, extra, resume_round=resume_round, config=config,
                            version=status.version)
     if run.private:
@@ -37,10 +41,13 @@ def round_progress(settings: TrainerSettings, run: RunSetup, start: int, is_glob
 
 
 def print_run_summary(settings: TrainerSettings, run: RunSetup, status: RunStatus, num_clients: int,
-                      ranks: int) -> None:
-    """The end-of-run table (each epsilon with its delta and audience) and, in a DP run, what the
-    logs release."""
-    rows = summary_rows(status.history, extra={"num_clients": num_clients, "ranks": ranks})
+                      ranks: int, executor: Executor | None = None) -> None:
+    """The end-of-run table (each epsilon with its delta and audience; the executor that trained the
+    clients, and why) and, in a DP run, what the logs release."""
+    extra = {"num_clients": num_clients, "ranks": ranks}
+    if executor is not None:
+        extra["executor"] = executor_choice(executor)
+    rows = summary_rows(status.history, extra=extra)
     if status.stop_reason:
         rows["stopped"] = status.stop_reason
     print_summary(f"{settings.run_name}: done", annotated_rows(rows, epsilon_notes(run.ledger)))

@@ -1,0 +1,78 @@
+"""executor="auto" (the default): the vmap executor where it runs the module and its plugins with the
+sequential executor's bits, the sequential one otherwise, with the reason in the summary and the
+logged hyperparameters."""
+
+import glob
+import os
+
+import pytest
+import torch
+import yaml
+
+import behaviour
+from dpfl_lightning.algorithms import PFL
+from helpers import TinyClassifier, quiet_trainer, tiny_data
+from test_executor import Frozen
+
+# The shipped configs that name no executor and for which auto picks vmap in this environment
+# (checked by the first test); the others name vmap, or auto picks sequential (DP-SGD, batch_size=None,
+# or mnist_dpfedavg's 784-wide MLP, whose batched matmul differs in the last bits).
+PICKS_VMAP = ["configs/adaptive_clipping_digits.yaml", "configs/npz_fedavg.yaml", "configs/quickstart.yaml",
+              "configs/sweeps/paper000_base.yaml"]
+
+
+class CountsEpochs(TinyClassifier):
+    def on_train_epoch_start(self):
+        self.epochs = getattr(self, "epochs", 0) + 1
+
+
+def _choice(log_dir, model, **kw):
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=3, **kw)
+    t.fit(model, tiny_data())
+    return t.executor.choice
+
+
+def test_auto_is_the_default_and_picks_vmap_for_a_vmap_friendly_module(log_dir):
+    assert _choice(log_dir, TinyClassifier()) == "vmap"
+
+
+@pytest.mark.parametrize("model,kw,reason", [
+    (Frozen, {}, "frozen parameters"),
+    (CountsEpochs, {}, "on_train_epoch_start"),
+    (TinyClassifier, {"algorithm": PFL(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)}, "DPSGD"),
+    (TinyClassifier, {"batch_size": None}, "batch_size=None"),
+])
+def test_auto_picks_sequential_with_the_reason_for_what_vmap_refuses(log_dir, model, kw, reason):
+    choice = _choice(log_dir, model(), **kw)
+    assert choice.startswith("sequential (vmap cannot run: ") and reason in choice, choice
+
+
+def test_auto_runs_a_module_vmap_refuses_like_the_sequential_executor(log_dir):
+    out = {}
+    for ex in ("auto", "sequential"):
+        torch.manual_seed(0)
+        t = quiet_trainer(log_dir, rounds=2, clients_per_round=3, executor=ex)
+        out[ex] = t.fit(CountsEpochs(), tiny_data()).global_params.clone()
+    assert torch.equal(out["auto"], out["sequential"])
+
+
+def test_the_summary_and_the_logged_hyperparameters_carry_the_choice(log_dir, capsys):
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=3, enable_summary=True)
+    t.fit(Frozen(), tiny_data())
+    printed = "".join(capsys.readouterr())
+    assert "executor" in printed and "vmap cannot run" in printed
+    [hparams] = glob.glob(os.path.join(log_dir, "**", "hparams.yaml"), recursive=True)
+    with open(hparams) as f:
+        logged = yaml.safe_load(f)
+    assert logged["executor_choice"].startswith("sequential (vmap cannot run: frozen parameters")
+
+
+@pytest.mark.parametrize("key", PICKS_VMAP)
+def test_auto_gives_the_sequential_executors_bits_on_the_shipped_configs_it_picks_vmap_for(key):
+    with open(os.path.join(behaviour.ROOT, key)) as f:
+        assert "executor" not in (yaml.safe_load(f).get("trainer") or {})  # auto, the default, runs it
+    sequential = behaviour.fresh_run_config(key, ("--trainer.executor", "sequential"))
+    auto = behaviour.fresh_run_config(key, ("--trainer.executor", "auto"))
+    vmap = behaviour.fresh_run_config(key, ("--trainer.executor", "vmap"))
+    assert auto["sha256"] == sequential["sha256"] == vmap["sha256"]  # vmap's own bits: auto did pick it
+    assert auto["epsilon"] == sequential["epsilon"]

@@ -92,8 +92,8 @@ class FederatedTrainer:
         enable_progress_bar / enable_summary: the console progress bar and end-of-run table.
         checkpoint_every: write a checkpoint every this many rounds (and after the last); ``None``: never.
         checkpoint_dir: default: the fit's ``<log_dir>/<run_name>/version_N/checkpoints``.
-        executor: ``auto`` (``vmap`` where it gives ``sequential``'s bits, else ``sequential``; the summary
-            says which and why), ``sequential`` (every hook, any module) or ``vmap`` (see :mod:`~dpfl_lightning.executor`).
+        executor: ``sequential`` (every hook, any module), ``vmap`` or ``auto`` (``vmap`` where it gives
+            ``sequential``'s bits, else ``sequential``; the summary says which and why; see :mod:`~dpfl_lightning.executor`).
         log_client_metrics: release statistics computed from client data without noise (the
             training loss the module logs, per-client evaluation, skipped clients, clipping
             statistics). ``None`` (default): only in runs without DP; ``True`` in a DP run is an
@@ -151,7 +151,7 @@ class FederatedTrainer:
         enable_summary: bool = True,
         checkpoint_every: int | None = None,
         checkpoint_dir: str | None = None,
-        executor: str = "auto",
+        executor: str = "sequential",
         log_client_metrics: bool | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,

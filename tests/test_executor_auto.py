@@ -1,4 +1,4 @@
-"""executor="auto" (the default): the vmap executor where it runs the module and its plugins with the
+"""executor="auto": the vmap executor where it runs the module and its plugins with the
 sequential executor's bits, the sequential one otherwise, with the reason in the summary and the
 logged hyperparameters."""
 
@@ -27,12 +27,12 @@ class CountsEpochs(TinyClassifier):
 
 
 def _choice(log_dir, model, **kw):
-    t = quiet_trainer(log_dir, rounds=1, clients_per_round=3, **kw)
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=3, executor="auto", **kw)
     t.fit(model, tiny_data())
     return t.executor.choice
 
 
-def test_auto_is_the_default_and_picks_vmap_for_a_vmap_friendly_module(log_dir):
+def test_auto_picks_vmap_for_a_vmap_friendly_module(log_dir):
     assert _choice(log_dir, TinyClassifier()) == "vmap"
 
 
@@ -57,7 +57,7 @@ def test_auto_runs_a_module_vmap_refuses_like_the_sequential_executor(log_dir):
 
 
 def test_the_summary_and_the_logged_hyperparameters_carry_the_choice(log_dir, capsys):
-    t = quiet_trainer(log_dir, rounds=1, clients_per_round=3, enable_summary=True)
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=3, executor="auto", enable_summary=True)
     t.fit(Frozen(), tiny_data())
     printed = "".join(capsys.readouterr())
     assert "executor" in printed and "vmap cannot run" in printed
@@ -70,7 +70,7 @@ def test_the_summary_and_the_logged_hyperparameters_carry_the_choice(log_dir, ca
 @pytest.mark.parametrize("key", PICKS_VMAP)
 def test_auto_gives_the_sequential_executors_bits_on_the_shipped_configs_it_picks_vmap_for(key):
     with open(os.path.join(behaviour.ROOT, key)) as f:
-        assert "executor" not in (yaml.safe_load(f).get("trainer") or {})  # auto, the default, runs it
+        assert "executor" not in (yaml.safe_load(f).get("trainer") or {})  # auto would choose
     sequential = behaviour.fresh_run_config(key, ("--trainer.executor", "sequential"))
     auto = behaviour.fresh_run_config(key, ("--trainer.executor", "auto"))
     vmap = behaviour.fresh_run_config(key, ("--trainer.executor", "vmap"))

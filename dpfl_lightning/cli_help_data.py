@@ -312,8 +312,8 @@ ACTIONS = [(['-h', '--help'], 'help', 0, None, None, False, 'Show this help mess
   None,
   None,
   False,
-  'sequential (every hook, any module) or vmap (clients of a rank trained\n'
-  'together with torch.func.vmap; see VmapExecutor). (type: str, default: sequential)',
+  'sequential (every hook, any module), vmap or auto (vmap where it gives\n'
+  "sequential's bits, else sequential; the summary says which and why; see executor). (type: str, default: sequential)",
   True),
  (['--trainer.log_client_metrics'],
   'trainer.log_client_metrics',
@@ -699,8 +699,8 @@ PARSERS = {'fit': {'prog': 'dpfl [options] fit',
            'usage': None,
            'description': "Audit a fit configuration with canary clients: the ledger's privacy curve tested against "
                           'what canaries show. Exit status 0 consistent, 3 violated (the ledger is refuted), 4 suspect '
-                          "(an estimate's interval lies above the ledger), 5 this audit cannot detect a violation "
-                          'here.',
+                          "(the Gaussian fit's lower confidence bound lies above the ledger), 5 this audit cannot "
+                          'detect a violation here (with the settings that would).',
            'epilog': None,
            'actions': [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26,
                        27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50,

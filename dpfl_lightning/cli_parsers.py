@@ -405,7 +405,8 @@ def audit_parser() -> ArgumentParser:
     p = fit_parser()
     p.description = ("Audit a fit configuration with canary clients: the ledger's privacy curve tested against "
                      "what canaries show. Exit status 0 consistent, 3 violated (the ledger is refuted), 4 suspect "
-                     "(an estimate's interval lies above the ledger), 5 this audit cannot detect a violation here.")
+                     "(the Gaussian fit's lower confidence bound lies above the ledger), 5 this audit cannot detect a "
+                     "violation here (with the settings that would).")
     p.add_argument("--canaries", type=int | None, default=None,
                    help="canary clients of the one-run audit, each inserted with probability 1/2 "
                         "(default: min(1000, clients / 2); at most the number of clients)")

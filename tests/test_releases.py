@@ -21,7 +21,9 @@ from helpers import TinyClassifier, quiet_trainer, tiny_data
 PUBLIC = {"round", "epsilon", "noise_std", "clip_norm", "my_val_loss", "my_val_acc"}
 PER_PRESET = {"central": {"snr"}, "local": set(), "distributed": {"epsilon_client_distributed_models", "snr"},
               "normfedavg": {"epsilon_client_distributed_models", "snr"}, "pfl": set()}
-SUMMARY = {"rounds", "num_clients", "ranks"}
+# set-up facts of the summary: the settings, and the executor that trained (the setting, or auto's
+# choice: see tests/test_executor_auto.py and README "Executors" for what that choice reads)
+SUMMARY = {"rounds", "num_clients", "ranks", "executor"}
 UNACCOUNTED = {"my_train_loss", "round_time_s", "skipped_clients"}
 
 

@@ -93,9 +93,10 @@ class SetupContext:
 @dataclass
 class ClientContext:
     """One client in one round, given to ``on_client_start``, ``wrap_optimizer``,
-    ``on_before_optimizer_step`` and ``on_client_end``.
+    ``on_before_optimizer_step``, ``on_client_end`` and ``on_client_released``.
 
-    ``payload`` holds the client's named segments (modify them in place in ``on_client_end``);
+    ``payload`` holds the client's named segments (modify them in place in ``on_client_end``; in
+    ``on_client_released`` it is the read-only release, the row that is summed);
     ``state`` is the client's own state, which lives on the rank that trains it and is
     checkpointed by client id. ``skipped`` is true when the client's update was not finite: it is
     replaced by zeros before any ``on_client_end`` runs, so plugins process (bound, noise) a zero

@@ -44,9 +44,10 @@ holders learn nothing of a secret.
 client, purpose, tag)`` and ``secure``):
 
 - *simulation* (``secure`` false): ``sk_u``, ``b_u`` and the Shamir coefficients come from the key
-  ``key(round, u, SECAGG, "secagg/client")`` (128 bits, SHAKE-256 to 32 bytes each, domain-separated), so a run is reproducible from its
-  seed -- and anyone who knows the seed can recompute every mask: the masking then protects nothing
-  towards them, it only reproduces the protocol's arithmetic, failure modes and cost;
+  ``key(round, u, SECAGG, "secagg/client")`` (128 bits; SHAKE-256 to 32 bytes for each, domain-separated),
+  so a run is reproducible from its seed -- and anyone who knows the seed can recompute every mask:
+  the masking then protects nothing towards them, it only reproduces the protocol's arithmetic,
+  failure modes and cost;
 - *secure* (``secure`` true): ``sk_u`` is ``X25519PrivateKey.generate()`` and ``b_u`` and the Shamir
   coefficients are ``os.urandom`` (the OS CSPRNG), drawn on the rank that trains ``u``; they are in
   no seed, log or checkpoint.
@@ -159,9 +160,9 @@ def pair_seed(shared_secret: bytes, round_idx: int, u: int, v: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None, info=info).derive(shared_secret)
 
 
-def agree(private_key: bytes, peer_public: bytes, round_idx: int, u: int, v: int) -> bytes:
-    """:func:`pair_seed` of the X25519 exchange between ``private_key`` (raw, 32 bytes) and ``peer_public``."""
-    shared = X25519PrivateKey.from_private_bytes(private_key).exchange(X25519PublicKey.from_public_bytes(peer_public))
+def agree(private_key: X25519PrivateKey, peer_public: bytes, round_idx: int, u: int, v: int) -> bytes:
+    """:func:`pair_seed` of the X25519 exchange between ``private_key`` and ``peer_public`` (raw, 32 bytes)."""
+    shared = private_key.exchange(X25519PublicKey.from_public_bytes(peer_public))
     return pair_seed(shared, round_idx, u, v)
 
 
@@ -234,7 +235,8 @@ class ShareMessage:
 
 @dataclass(frozen=True)
 class Reveal:
-    """A surviving ``holder``'s share of ``owner``'s ``private_key`` (owner dropped) or ``self_mask`` (owner survived)."""
+    """A surviving ``holder``'s share of ``owner``'s ``private_key`` (owner dropped) or ``self_mask``
+    (owner survived)."""
 
     owner: int
     holder: int
@@ -261,6 +263,7 @@ class ClientSecrets:
             private = X25519PrivateKey.from_private_bytes(_expand_key(key, b"x25519"))
             self.self_mask_seed = _expand_key(key, b"self-mask")
             self._coins = AesCoins(_expand_key(key, b"shamir"))
+        self._private = private
         self.private_key = private.private_bytes_raw()
         self.public_key = private.public_key().public_bytes_raw()
         self._seeds: dict[int, bytes] = {}
@@ -276,7 +279,7 @@ class ClientSecrets:
         """The pair seeds with the clients of ``publics`` (``{client: public key}``), kept for :meth:`mask`."""
         for v, pk in publics.items():
             if v not in self._seeds:
-                self._seeds[v] = agree(self.private_key, pk, self.round_idx, self.client, v)
+                self._seeds[v] = agree(self._private, pk, self.round_idx, self.client, v)
         return {v: self._seeds[v] for v in publics}
 
     def mask(self, row: torch.Tensor, neighbours: Sequence[int], bits: int) -> torch.Tensor:
@@ -325,7 +328,8 @@ class SecAggRound:
                               f"use e.g. {default_threshold(n_holders)} (a strict majority)")
         local = self.cohort if local_clients is None else tuple(local_clients)
         if not set(local) <= set(self.cohort):
-            raise ConfigError("secagg.local_clients", list(local), "not all in the cohort", "pass a subset of the cohort")
+            raise ConfigError("secagg.local_clients", list(local), "not all in the cohort",
+                              "pass the cohort's clients this rank trains")
         self._secrets = {c: ClientSecrets(c, round_idx, key_source) for c in local}
         self._publics = {c: s.public_key for c, s in self._secrets.items()}
         self._held: dict[tuple[int, int], ShareMessage] = {}
@@ -405,9 +409,10 @@ class SecAggRound:
         for u in sorted(alive):
             words -= prg_words(secrets[u], self.d)
         for v in sorted(gone):
+            private = X25519PrivateKey.from_private_bytes(secrets[v]) if v in secrets else None
             for u in self.graph.neighbours(v):
                 if u in alive:  # u added +PRG(s_uv) if v > u, else -PRG(s_uv)
-                    mask = prg_words(agree(secrets[v], self._publics[u], self.round_idx, v, u), self.d)
+                    mask = prg_words(agree(private, self._publics[u], self.round_idx, v, u), self.d)
                     if v > u:
                         words -= mask
                     else:
@@ -418,16 +423,18 @@ class SecAggRound:
         alive, gone = set(survivors), set(dropped)
         if alive & gone or alive | gone != set(self.cohort):
             raise ValueError("secagg: survivors and dropped must split the cohort (disjoint, together the cohort); "
-                             f"overlap {sorted(alive & gone)[:5]}, missing {sorted(set(self.cohort) - alive - gone)[:5]}, "
+                             f"overlap {sorted(alive & gone)[:5]}, "
+                             f"missing {sorted(set(self.cohort) - alive - gone)[:5]}, "
                              f"unknown {sorted((alive | gone) - set(self.cohort))[:5]}")
         return alive, gone
 
     def _reconstruct(self, reveals: list[Reveal], alive: set[int], gone: set[int]) -> dict[int, bytes]:
         """Every survivor's ``b`` and every dropped client's ``sk`` from the surviving holders' shares."""
         by_owner: dict[int, list[shamir.Share]] = {}
+        holders = {c: set(self.graph.holders(c)) for c in self.cohort}
         for r in reveals:
             expected = "self_mask" if r.owner in alive else "private_key"
-            if r.kind != expected or r.holder not in alive or r.holder not in self.graph.holders(r.owner):
+            if r.kind != expected or r.holder not in alive or r.holder not in holders.get(r.owner, ()):
                 raise ValueError(f"secagg: refused reveal of client {r.owner}'s {r.kind} by {r.holder}: only "
                                  f"surviving holders reveal, and only a survivor's self_mask or a dropped client's "
                                  f"private_key (never both of one client)")

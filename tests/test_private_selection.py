@@ -180,6 +180,9 @@ def test_worst_case_over_two_noise_multipliers_is_the_smaller_noise_and_names_it
     assert got.worst == "noise_multiplier=4.0, lr=0.1" and got.attained_by == (got.worst,)
     assert "noise_multiplier=4.0" in got.describe()
     assert one_run_epsilon(trials, DELTA).worst == got.worst
+    # a space whose points share one event names no hyperparameter
+    same = trials_over([{"lr": 0.1}, {"lr": 1.0}], lambda h: trial(GaussianRelease(4.0), 20))
+    assert selected_epsilon(same, CASES[1], DELTA).worst == "" and worst_case(same, DELTA).exact
 
 
 def test_worst_case_of_crossing_curves_is_their_pointwise_maximum():

@@ -179,16 +179,17 @@ def run_epsilon(one: Trial, delta: float, accountant: str = "rdp") -> Epsilon:
 
 @dataclass(frozen=True)
 class WorstCase:
-    """The trial curve a sweep's guarantee uses: the pointwise maximum of every point's curve."""
+    """The trial curve a sweep's guarantee uses: the pointwise maximum of every point's curve.
+
+    ``worst`` is the point with the largest epsilon on its own and ``attained_by`` every point whose
+    curve is the maximum at some order where it is finite (both empty where every point has the
+    same curve: no hyperparameter changes the event); ``exact``: one point's curve is the maximum
+    at every such order, so the guarantee is that point's."""
 
     curve: np.ndarray
-    worst: str  # the point with the largest epsilon on its own
-    attained_by: tuple[str, ...]  # every point whose curve is the maximum at some order
-
-    @property
-    def exact(self) -> bool:
-        """One point's curve is the maximum at every order: the guarantee is that point's."""
-        return len(self.attained_by) == 1
+    worst: str
+    attained_by: tuple[str, ...]
+    exact: bool
 
 
 def worst_case(trials: Trial | Sequence[Trial], delta: float, count: TrialCount | Mapping | None = None) -> WorstCase:
@@ -198,13 +199,17 @@ def worst_case(trials: Trial | Sequence[Trial], delta: float, count: TrialCount 
     trials = _as_trials(trials)
     curves = np.stack([np.full_like(ORDERS, np.inf) if t.no_noise else t.rdp() for t in trials])
     top = curves.max(axis=0)
-    attained = tuple(dict.fromkeys(t.label for t, c in zip(trials, curves) if np.any(c >= top)))
+    if all(np.array_equal(c, curves[0]) for c in curves[1:]):
+        return WorstCase(top, "", (), True)
+    finite = np.isfinite(top) if np.isfinite(top).any() else np.ones_like(top, dtype=bool)
+    reaches = [c[finite] >= top[finite] for c in curves]
+    attained = tuple(dict.fromkeys(t.label for t, r in zip(trials, reaches) if r.any()))
 
     def alone(c: np.ndarray) -> float:
         return _rdp_epsilon(c if count is None else selected_rdp(c, count), delta)
 
     worst = trials[int(np.argmax([alone(c) for c in curves]))].label
-    return WorstCase(top, worst, attained)
+    return WorstCase(top, worst, attained, any(r.all() for r in reaches))
 
 
 @dataclass(frozen=True)
@@ -218,11 +223,12 @@ class SelectedEpsilon:
     worst: str
     attained_by: tuple[str, ...]
     count: TrialCount | None = None
+    exact: bool = True
 
     def describe(self) -> str:
         what = "selected result" if self.count is not None else "one run"
         by = f"; worst case: {self.worst}" if self.worst else ""
-        if len(self.attained_by) > 1:
+        if not self.exact:
             by += f" (pointwise maximum over {', '.join(self.attained_by)})"
         extra = f" ({self.count.describe()})" if self.count is not None else ""
         note = f" [{self.note}]" if self.note else ""
@@ -241,11 +247,11 @@ def selected_epsilon(trials: Trial | Sequence[Trial], count: TrialCount | Mappin
     if count.point_mass:
         one = max((run_epsilon(t, delta, accountant) for t in trials), key=lambda e: e.epsilon)
         return SelectedEpsilon(one.epsilon, delta, one.method, "point mass K = 1: one run, no selection"
-                               + (f"; {one.note}" if one.note else ""), case.worst, case.attained_by, count)
+                               + (f"; {one.note}" if one.note else ""), case.worst, case.attained_by, count, case.exact)
     eps = _rdp_epsilon(selected_rdp(case.curve, count), delta)
     note = "" if accountant == "rdp" else \
         f"{accountant} cannot account repeat-and-select (Papernot & Steinke bound Renyi DP): RDP bound"
-    return SelectedEpsilon(eps, delta, "rdp", note, case.worst, case.attained_by, count)
+    return SelectedEpsilon(eps, delta, "rdp", note, case.worst, case.attained_by, count, case.exact)
 
 
 def one_run_epsilon(trials: Trial | Sequence[Trial], delta: float, accountant: str = "rdp") -> SelectedEpsilon:
@@ -254,6 +260,8 @@ def one_run_epsilon(trials: Trial | Sequence[Trial], delta: float, accountant: s
     trials = _as_trials(trials)
     eps = [run_epsilon(t, delta, accountant) for t in trials]
     i = int(np.argmax([e.epsilon for e in eps]))
+    if all(e.epsilon == eps[i].epsilon for e in eps):  # no hyperparameter changes it
+        return SelectedEpsilon(eps[i].epsilon, delta, eps[i].method, eps[i].note, "", ())
     return SelectedEpsilon(eps[i].epsilon, delta, eps[i].method, eps[i].note, trials[i].label, (trials[i].label,))
 
 

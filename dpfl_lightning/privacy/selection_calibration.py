@@ -145,7 +145,7 @@ def selection_plan(one: Trial, delta: float, distribution: str = "poisson", shap
     for mean in means:
         setting = {"distribution": distribution, "mean": mean} | ({"shape": shape} if shape is not None else {})
         sel = selected_epsilon(one, trial_count(setting), delta, accountant)
-        grid = all_runs_epsilon([one] * max(1, round(mean)), delta, accountant).epsilon
+        grid = all_runs_epsilon([one] * max(1, math.floor(mean + 0.5)), delta, accountant).epsilon
         rows.append(PlanRow(float(mean), sel.epsilon, single, grid, sel.method, sel.note))
     return rows
 

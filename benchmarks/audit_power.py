@@ -69,7 +69,7 @@ def audit(path: str, *args: str) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "dpfl_lightning.cli", "audit", "--config", path, *args],
+    p = subprocess.run([sys.executable, "-m", "dpfl_lightning.cli.command", "audit", "--config", path, *args],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     return p.returncode, p.stdout, time.perf_counter() - t0
 

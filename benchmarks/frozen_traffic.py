@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpfl_lightning import FederatedTrainer
-from dpfl_lightning.aggregation import PayloadAggregator
+from dpfl_lightning.federated.aggregation import PayloadAggregator
 from dpfl_lightning.algorithms import DPFedAvg
 from dpfl_lightning.comm import LocalCommunicator
 from dpfl_lightning.data import SyntheticLogistic
-from dpfl_lightning.payload import PayloadLayout, Segment
+from dpfl_lightning.federated.payload import PayloadLayout, Segment
 
 
 class LoRALinear(nn.Module):

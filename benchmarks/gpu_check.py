@@ -217,9 +217,9 @@ def control_variates_resume():
 
 @check("fold_100m_on_gpu")
 def fold_100m():
-    from dpfl_lightning.aggregation import PayloadAggregator
+    from dpfl_lightning.federated.aggregation import PayloadAggregator
     from dpfl_lightning.comm import LocalCommunicator
-    from dpfl_lightning.payload import PayloadLayout, Segment
+    from dpfl_lightning.federated.payload import PayloadLayout, Segment
 
     d = 100_000_000
     agg = PayloadAggregator(PayloadLayout([Segment("update", d)]), torch.device("cuda"))

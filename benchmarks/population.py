@@ -12,12 +12,12 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.privacy.planning import PrivacyPlanner
 from dpfl_lightning.rng import RandomSource
-from dpfl_lightning.sampling import ClientSampler
+from dpfl_lightning.federated.sampling import ClientSampler
 
 
 def ms(fn, repeats: int) -> float:

@@ -45,7 +45,7 @@ from dpfl_lightning import FederatedTrainer
 from dpfl_lightning.data import SyntheticLogistic
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.placement import available_cpus
+from dpfl_lightning.federated.placement import available_cpus
 from dpfl_lightning import FederatedDataModule
 
 M, M_ROUND, SAMPLES, BATCH, LR, CLIP, Z = 1000, 50, 50, 10, 0.1, 1.0, 1.0

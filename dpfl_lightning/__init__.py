@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError
 from dpfl_lightning.lazy import exports
+from dpfl_lightning.moved import install as _install_moved_paths
 
 __version__ = "0.1.0"
 
@@ -22,3 +23,4 @@ __all__ = ["ConfigError", "FederatedDataModule", "FederatedLightningModule", "Fe
            "NonFiniteUpdateError", "__version__"]
 
 __getattr__, __dir__ = exports("dpfl_lightning", _LAZY, globals())
+_install_moved_paths()  # old import paths of modules that moved into packages keep working, with a warning

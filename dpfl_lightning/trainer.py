@@ -20,36 +20,36 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
-from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning.aggregation import PayloadAggregator
+from dpfl_lightning.run import checkpoint_format as ckpt
+from dpfl_lightning.federated.aggregation import PayloadAggregator
 from dpfl_lightning.algorithms import Algorithm
 from dpfl_lightning.comm import Communicator, make_communicator
-from dpfl_lightning.contexts import ServerContext
+from dpfl_lightning.plugins.contexts import ServerContext
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import require
 from dpfl_lightning.executor import Executor, make_executor
-from dpfl_lightning.lightning_options import refuse_unknown_arguments
-from dpfl_lightning.lightning_compat import LightningRun
-from dpfl_lightning.loggers import RoundProgress
+from dpfl_lightning.lightning.trainer_options import refuse_unknown_arguments
+from dpfl_lightning.lightning.semantics import LightningRun
+from dpfl_lightning.tracking.loggers import RoundProgress
 from dpfl_lightning.module import FederatedLightningModule
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, report_fit_failure
-from dpfl_lightning.reproducibility import python_config, warn_if_unseeded
-from dpfl_lightning.run.checkpoints import (RunCheckpoints, checkpoint_to_resume, open_version, planned_checkpoint_dir,
+from dpfl_lightning.run.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, report_fit_failure
+from dpfl_lightning.run.reproducibility import python_config, warn_if_unseeded
+from dpfl_lightning.run.checkpointing import (RunCheckpoints, checkpoint_to_resume, open_version, planned_checkpoint_dir,
                                             write_lightning_checkpoint)
 from dpfl_lightning.run.client_phase import ClientPhase
 from dpfl_lightning.run.client_states import ClientStates
-from dpfl_lightning.run.evaluation import RoundEvaluation
+from dpfl_lightning.run.round_evaluation import RoundEvaluation
 from dpfl_lightning.run.hooks import HookTable
 from dpfl_lightning.run.memory import frozen_heap
-from dpfl_lightning.run.reporting import open_loggers, print_run_summary, round_progress
+from dpfl_lightning.run.log_setup import open_loggers, print_run_summary, round_progress
 from dpfl_lightning.run.round_row import RoundRow
 from dpfl_lightning.run.server_phase import ServerPhase
 from dpfl_lightning.run.setup import RunSetup, build_run
 from dpfl_lightning.run.stages import fit_inputs, run_stage
 from dpfl_lightning.run.status import RunStatus
-from dpfl_lightning.settings import TrainerSettings, trainer_arguments
+from dpfl_lightning.run.settings import TrainerSettings, trainer_arguments
 
 
 class FederatedTrainer:
@@ -88,12 +88,12 @@ class FederatedTrainer:
             update counts as zero, and the round goes on).
         log_dir / run_name: every fit writes a new ``<log_dir>/<run_name>/version_N`` (its CSV log and
             checkpoints); a resumed fit continues the version of its checkpoint.
-        loggers: extra Lightning loggers, e.g. :class:`~dpfl_lightning.loggers.WandbLogger`.
+        loggers: extra Lightning loggers, e.g. :class:`~dpfl_lightning.tracking.loggers.WandbLogger`.
         enable_progress_bar / enable_summary: the console progress bar and end-of-run table.
         checkpoint_every: write a checkpoint every this many rounds (and after the last); ``None``: never.
         checkpoint_dir: default: the fit's ``<log_dir>/<run_name>/version_N/checkpoints``.
-        executor: ``sequential`` (every hook, any module), ``vmap`` or ``auto`` (``vmap`` where it gives
-            ``sequential``'s bits, else ``sequential``; the summary says which and why; see :mod:`~dpfl_lightning.executor`).
+        executor: ``auto`` (``vmap`` where it gives ``sequential``'s bits, else ``sequential``; the summary
+            says which and why: :mod:`~dpfl_lightning.executor.auto`), ``sequential`` (any module) or ``vmap``.
         log_client_metrics: release statistics computed from client data without noise (the
             training loss the module logs, per-client evaluation, skipped clients, clipping
             statistics). ``None`` (default): only in runs without DP; ``True`` in a DP run is an
@@ -116,7 +116,7 @@ class FederatedTrainer:
             the default is ``False``.
 
     What Lightning's notions (epochs, global steps, LR schedulers, hooks) mean in a federated run is
-    written down in :mod:`dpfl_lightning.lightning_compat`.
+    written down in :mod:`dpfl_lightning.lightning.semantics`.
     """
 
     @refuse_unknown_arguments  # lightning.Trainer's max_epochs, devices, ...: their counterpart, not a bare TypeError
@@ -193,7 +193,7 @@ class FederatedTrainer:
 
     # ------------------------------------------------------------------ public helpers
     def owner(self, client: int) -> int:
-        """The rank that keeps ``client``'s per-client state (see :mod:`dpfl_lightning.placement`)."""
+        """The rank that keeps ``client``'s per-client state (see :mod:`dpfl_lightning.federated.placement`)."""
         return self._states.owner(client)
 
     def my_clients(self, plan: RoundPlan) -> list[int]:
@@ -241,7 +241,7 @@ class FederatedTrainer:
         """Train for ``rounds`` rounds (continuing from ``ckpt_path`` if given; ``"last"``: the run's
         newest checkpoint, if there is one); returns the module, whose wrapped LightningModule then
         holds the final global model. On ``SIGTERM``, ``SIGUSR1`` or Ctrl-C the run stops after the
-        round with a checkpoint and raises :class:`~dpfl_lightning.preemption.Preempted`."""
+        round with a checkpoint and raises :class:`~dpfl_lightning.run.preemption.Preempted`."""
         module = fit_inputs(module, data)
         if self.comm is None:
             self.comm = make_communicator(self.settings.communicator, "cuda" if self.settings.wants_cuda() else "cpu")

@@ -218,7 +218,7 @@ def _data_arguments(config: str, tmp: str) -> list[str]:
 
 def fresh_run_config(config: str, extra: tuple[str, ...] = ()) -> dict[str, object]:
     """``dpfl fit --config <config> [extra]`` for 3 rounds in this process: the final model's record."""
-    from dpfl_lightning.cli import build_parser, parse, run_fit
+    from dpfl_lightning.cli.command import build_parser, parse, run_fit
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     rounds = ROUNDS_FOR.get(os.path.basename(config), ROUNDS)

@@ -1,7 +1,7 @@
 """A neighbouring-dataset harness: run one DP configuration on two datasets that differ in one
 client's data and compare everything the run writes, except the released, accounted values.
 
-The rule it tests is the release list's (:mod:`dpfl_lightning.releases`): in a DP run nothing printed
+The rule it tests is the release list's (:mod:`dpfl_lightning.federated.releases`): in a DP run nothing printed
 or saved may depend on one client's data unless a mechanism accounts for it. :func:`written` runs a
 fit and collects what an observer of the run gets:
 

@@ -8,8 +8,9 @@ mechanism (the ledger accounts exactly what the honest plugin would) and do less
 - :class:`HalfCoordinateNoise`: central noise declared on the whole update, added to its first half only.
 """
 
-from dpfl_lightning import frozen, rng
-from dpfl_lightning.payload import UPDATE
+from dpfl_lightning import rng
+from dpfl_lightning.federated import frozen
+from dpfl_lightning.federated.payload import UPDATE
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.sensitivity import scale_to_norm_
 

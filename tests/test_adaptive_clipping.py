@@ -9,8 +9,8 @@ import torch
 
 from dpfl_lightning import ConfigError
 from dpfl_lightning.algorithms import AdaptiveClipping, DPFedAvg
-from dpfl_lightning.payload import Aggregate
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.payload import Aggregate
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins import AdaptiveClip, ClientContext, PrivacyLedger
 from dpfl_lightning.rng import RandomSource
 from helpers import TinyClassifier, quiet_trainer, tiny_data

@@ -5,9 +5,9 @@ segment with no bound falls back to the two-pass method; memory does not grow wi
 import pytest
 import torch
 
-from dpfl_lightning.aggregation import PayloadAggregator
+from dpfl_lightning.federated.aggregation import PayloadAggregator
 from dpfl_lightning.comm.base import Communicator
-from dpfl_lightning.payload import PayloadLayout, Segment
+from dpfl_lightning.federated.payload import PayloadLayout, Segment
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
@@ -98,7 +98,7 @@ def test_a_sum_beyond_the_exact_range_across_ranks_is_refused_on_every_rank():
     # Each rank's own sum fits the grid's exact range, their total does not: the check must look at
     # the all-reduced total (the same on every rank), so every rank refuses alike instead of one
     # raising while the others wait in the all-reduce.
-    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.federated.aggregation import HEADROOM_BITS
     from dpfl_lightning.comm.exact_sum import grid_exponent
     from dpfl_lightning.errors import NonFiniteUpdateError
 
@@ -130,8 +130,8 @@ def test_streamed_sum_is_the_exact_sum_of_values_rounded_to_the_grid(bound, tile
     # and far above (where float32 spacing exceeds the grid), for staged and single-row folds.
     from fractions import Fraction
 
-    from dpfl_lightning import aggregation
-    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.federated import aggregation
+    from dpfl_lightning.federated.aggregation import HEADROOM_BITS
     from dpfl_lightning.comm.exact_sum import grid_exponent
 
     class OneRank(Communicator):

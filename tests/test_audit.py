@@ -10,7 +10,8 @@ import scipy.stats
 import torch
 import yaml
 
-from dpfl_lightning import ConfigError, cli, rng
+from dpfl_lightning import ConfigError, rng
+from dpfl_lightning.cli import command as cli
 from dpfl_lightning.algorithms import DPFedAvg
 from dpfl_lightning.models import MLPClassifier
 from dpfl_lightning.plugins import (DPSGD, AdaptiveClip, FederatedCallback, GaussianNoise, UpdateClipping)

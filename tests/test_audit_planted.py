@@ -9,7 +9,7 @@ import pytest
 import scipy.stats
 import yaml
 
-from dpfl_lightning import cli
+from dpfl_lightning.cli import command as cli
 from dpfl_lightning.privacy import audit_bounds as ab
 
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from dpfl_lightning import cli
+from dpfl_lightning.cli import command as cli
 from dpfl_lightning.data import NpzFile
 from dpfl_lightning.errors import ConfigError
 

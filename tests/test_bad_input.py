@@ -14,7 +14,7 @@ import torch
 
 from dpfl_lightning import ConfigError, FederatedDataModule, NonFiniteUpdateError
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
-from dpfl_lightning.placement import available_cpus
+from dpfl_lightning.federated.placement import available_cpus
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +74,7 @@ def test_cli_config_errors(tmp_path, override, setting):
 @pytest.mark.parametrize("value", [".nan", ".inf", "nan"])
 def test_a_non_finite_noise_multiplier_is_refused_naming_the_setting(tmp_path, capsys, value):
     # YAML's .nan / .inf are floats (the plugin refuses them); a bare nan is a string (the parser does)
-    from dpfl_lightning import cli
+    from dpfl_lightning.cli import command as cli
 
     path = _write(tmp_path)
     with open(path) as f:

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dpfl_lightning import ConfigError
-from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning import run_files
+from dpfl_lightning.run import checkpoint_format as ckpt
+from dpfl_lightning.tracking import run_files
 from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.run_files import read_metrics
+from dpfl_lightning.tracking.run_files import read_metrics
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 
@@ -221,7 +221,7 @@ def test_a_version_is_claimed_once(tmp_path):
 
 
 def test_a_run_directory_names_its_newest_version_with_a_checkpoint(tmp_path):
-    from dpfl_lightning.evaluation import resolve_run
+    from dpfl_lightning.run.lightning_eval import resolve_run
 
     root = tmp_path / "quickstart"
     for version, files in ((0, ["config.yaml", "checkpoints/last.ckpt"]),

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import yaml
 
-from dpfl_lightning import cli
-from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning.cli import command as cli
+from dpfl_lightning.run import checkpoint_format as ckpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -64,7 +64,7 @@ def test_resume_from_the_command_line(tmp_path):
 def test_wandb_offline_logger_from_yaml(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     wb = tmp_path / "wb.yaml"
-    wb.write_text(yaml.safe_dump({"trainer": {"loggers": [{"class_path": "dpfl_lightning.loggers.WandbLogger",
+    wb.write_text(yaml.safe_dump({"trainer": {"loggers": [{"class_path": "dpfl_lightning.tracking.loggers.WandbLogger",
                                                            "init_args": {"mode": "offline", "project": "p",
                                                                          "tags": ["t"], "save_dir": str(tmp_path)}}]}}))
     cli.main(["fit", "--config", QUICKSTART, "--config", str(wb), *SMALL, "--trainer.log_dir", str(tmp_path / "runs")])
@@ -72,7 +72,7 @@ def test_wandb_offline_logger_from_yaml(tmp_path, monkeypatch):
 
 
 def test_auto_wandb_mode_without_key(monkeypatch, tmp_path):
-    from dpfl_lightning.loggers import resolve_wandb_mode
+    from dpfl_lightning.tracking.loggers import resolve_wandb_mode
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -296,7 +296,7 @@ def test_validate_test_and_predict_a_trained_run(tmp_path, capsys):
 
 
 def test_under_wandb_agent_a_run_without_a_wandb_logger_gets_one(tmp_path, monkeypatch):
-    from dpfl_lightning.loggers import WandbLogger
+    from dpfl_lightning.tracking.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_SWEEP_ID", "sweep1")
     monkeypatch.setenv("WANDB_MODE", "disabled")

@@ -13,10 +13,10 @@ import signal
 
 import pytest
 
-from dpfl_lightning.loggers import metrics_line, sync_hint
+from dpfl_lightning.tracking.loggers import metrics_line, sync_hint
 from dpfl_lightning.plugins import GaussianNoise, PrivacyLedger, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.preemption import Preempted
+from dpfl_lightning.run.preemption import Preempted
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 WIDTH = 80

@@ -67,7 +67,7 @@ def test_sum_of_h_is_zero_and_c_is_the_mean_of_the_c_i(log_dir):
     # sum_i h_i = (p / eta) sum_i (mean D - D_i) is zero but for the exact aggregation's grid: the mean
     # differs from the plain float64 mean by at most 2^(L-1) per value (grid 2^L of the update's declared
     # bound C + tail * sigma), so each round adds at most (p / eta) N 2^(L-1); rounding of float64 aside
-    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.federated.aggregation import HEADROOM_BITS
     from dpfl_lightning.comm.exact_sum import grid_exponent
     from dpfl_lightning.plugins.gaussian_noise import NOISE_TAIL
 
@@ -468,7 +468,7 @@ def test_scaffold_checkpoint_does_not_give_back_a_clients_raw_update(log_dir, pl
     # Round 1 from c = c_i = 0 makes c_i+ = -update / (K eta_l): a checkpoint holding that c_i gives
     # back the client's raw update. Without DP the attack works (the test can fail); with client-level
     # DP the checkpoint holds c_i built from the clipped, noised dc it released (local), or none.
-    from dpfl_lightning.checkpoint import load
+    from dpfl_lightning.run.checkpoint_format import load
 
     K, lr, d = 3, 0.1, sum(p.numel() for p in TinyClassifier().parameters())
     scaffold, raw = SCAFFOLD(), Recorder(order=60)  # after SCAFFOLD (41), before the clipping (100)
@@ -497,7 +497,7 @@ def test_scaffold_checkpoint_does_not_give_back_a_clients_raw_update(log_dir, pl
 def test_scaffnew_checkpoint_does_not_give_back_a_clients_clipped_update(log_dir, placement):
     # After round 1 from h = 0: h_i = (p / eta)(mean D - D_i), and mean D = x1 - x0 is public, so a
     # checkpoint holding h_i gives back D_i. Under central noise D_i is the clipped, un-noised update.
-    from dpfl_lightning.checkpoint import load
+    from dpfl_lightning.run.checkpoint_format import load
 
     p, lr = 0.5, 0.1
 
@@ -526,7 +526,7 @@ def test_scaffnew_checkpoint_does_not_give_back_a_clients_clipped_update(log_dir
 def test_resume_without_checkpointed_c_i_restarts_every_client_from_c(log_dir):
     # distributed noise: the c_i carry the clients' noise shares and stay out of checkpoints; the
     # resumed run starts every client from the checkpointed c, so c = mean(c_i) still holds
-    from dpfl_lightning.checkpoint import load
+    from dpfl_lightning.run.checkpoint_format import load
 
     M, kw = 6, dict(clients_per_round=2, local_steps=2, seed=3, checkpoint_every=2)
     first = SCAFFOLD()
@@ -598,7 +598,7 @@ def test_scaffold_alone_follows_the_dc_sent_under_client_level_dp_as_with_the_de
 def test_scaffnew_h_i_follow_the_noised_d_i_whatever_its_order(log_dir):
     """ScaffNew placed before the noise plugins still builds h_i from the D_i each client sent (read in
     on_client_released, after every on_client_end), so the h_i keep summing to zero."""
-    from dpfl_lightning.aggregation import HEADROOM_BITS
+    from dpfl_lightning.federated.aggregation import HEADROOM_BITS
     from dpfl_lightning.comm.exact_sum import grid_exponent
     from dpfl_lightning.plugins.gaussian_noise import NOISE_TAIL
 

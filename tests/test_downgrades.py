@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from dpfl_lightning.loggers import epsilon_notes
+from dpfl_lightning.tracking.loggers import epsilon_notes
 from dpfl_lightning.plugins import AdaptiveClip, GaussianNoise, PrivacyLedger, UpdateClipping
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

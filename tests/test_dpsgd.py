@@ -14,7 +14,7 @@ from dpfl_lightning import ConfigError
 from dpfl_lightning.algorithms import PFL
 from dpfl_lightning.plugins import DPSGD
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 from dpfl_lightning.plugins import PrivacyLedger
 from helpers import AliasedInsideAWholeLayer, AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data
 
@@ -366,7 +366,7 @@ def test_a_layer_frozen_in_init_and_unfrozen_in_a_later_round_trains_under_dpsgd
     first = model.first_layer_by_round
     assert torch.equal(first[0], start)  # frozen in round 0
     # unfrozen during round 1: trained by its clients, but frozen when the round started, so not part
-    # of that round's update (dpfl_lightning.frozen); it joins from round 2, the first to start with it trainable
+    # of that round's update (dpfl_lightning.federated.frozen); it joins from round 2, the first to start with it trainable
     assert torch.equal(first[1], first[0]) and not torch.equal(first[2], first[1])
     assert seen.first_layer == [None] * 4 + [4] * 8  # per-record gradients once unfrozen (round 1 on)
 

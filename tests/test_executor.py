@@ -199,7 +199,7 @@ def test_vmap_trains_every_client_on_the_sequential_executors_batches():
 
     from dpfl_lightning import rng
     from dpfl_lightning.executor.vmap import VmapExecutor
-    from dpfl_lightning.plan import RoundPlan
+    from dpfl_lightning.federated.plan import RoundPlan
 
     data = tiny_data()
     data.setup()
@@ -293,8 +293,8 @@ def test_vmap_trains_in_the_trainers_rows_when_free_and_copies_otherwise(log_dir
     # (a stage of 3 rows: the second chunk of 2, or a chunk of 4) writes each update as the
     # sequential executor does. Every client's update, before and after the plugins, and the model
     # are the bits of the copying path, and the run ends where the sequential executor ends.
-    from dpfl_lightning import aggregation
-    from dpfl_lightning.aggregation import PayloadAggregator
+    from dpfl_lightning.federated import aggregation
+    from dpfl_lightning.federated.aggregation import PayloadAggregator
     from dpfl_lightning.executor.vmap import VmapExecutor
     from helpers import Recorder
 

@@ -11,8 +11,8 @@ import torch
 from dp_accounting import rdp as dp_rdp
 
 from dpfl_lightning.algorithms import CDPFedEXP, DPFedAvg, FedEXP, LDPFedEXP
-from dpfl_lightning.payload import Aggregate
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.payload import Aggregate
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins import FedEXP as FedEXPPlugin
 from dpfl_lightning.plugins import PrivacyLedger
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
@@ -349,7 +349,7 @@ def test_paper_002_convention_replace_one_doubles_the_update_not_xi():
     # paper 002 App. E: replace-one neighbours, sensitivity 2C for the mean update and C^2 (not 2C^2) for
     # the squared norms; full participation. Recomputed here with dp_accounting's RDP accountant.
     from dpfl_lightning import FederatedTrainer
-    from dpfl_lightning.privacy_cli import plan_run
+    from dpfl_lightning.cli.privacy_command import plan_run
 
     z, rounds, M = 5.0, 50, 20
     model = TinyClassifier()

@@ -27,7 +27,7 @@ def test_importing_the_package_loads_nothing_heavy():
 
 
 def test_dpfl_help_loads_nothing_heavy():
-    code = "import sys\nsys.argv = ['dpfl', '--help']\nfrom dpfl_lightning.cli import main\nmain()"
+    code = "import sys\nsys.argv = ['dpfl', '--help']\nfrom dpfl_lightning.cli.command import main\nmain()"
     assert _loaded_after(code) == []
 
 
@@ -48,4 +48,4 @@ def test_a_dpsgd_run_loads_opacus_when_it_sets_up(tmp_path):
 
 
 def test_the_sweep_launcher_imports_without_torch():
-    assert _loaded_after("import dpfl_lightning.sweep") == []
+    assert _loaded_after("import dpfl_lightning.tracking.sweep") == []

@@ -1,6 +1,6 @@
 """Any Lightning model, unchanged: schedules across rounds, the Trainer API inside the module, hooks,
 trainer settings, Lightning callbacks, DataModules, DP-SGD with manual optimization and skipped
-batches, export, and lightning.Trainer after a federated fit (see dpfl_lightning.lightning_compat)."""
+batches, export, and lightning.Trainer after a federated fit (see dpfl_lightning.lightning.semantics)."""
 
 from __future__ import annotations
 
@@ -525,7 +525,7 @@ def test_bf16_mixed_autocasts_the_steps_and_keeps_fp32_weights(log_dir):
 
 def test_16_mixed_scales_the_loss(log_dir, monkeypatch):
     """The float16 path (CUDA in practice), run on CPU with the device check lifted."""
-    import dpfl_lightning.lightning_compat as compat
+    import dpfl_lightning.lightning.semantics as compat
 
     monkeypatch.setattr(compat, "mixed16_needs_cuda", lambda trainer: None)
     losses = {}

@@ -3,7 +3,7 @@ rate 1 and no DP is one lightning.Trainer run. Both runs get the same batches (t
 replayed to lightning.Trainer in the same order) and are compared at every optimizer step: the
 weights, the learning rate of every param group, ``global_step``, and the sequence of hooks.
 
-The one documented difference (dpfl_lightning.lightning_compat): a client's ``on_train_epoch_end``
+The one documented difference (dpfl_lightning.lightning.semantics): a client's ``on_train_epoch_end``
 ends its local training, before the round's evaluation of the aggregated model; lightning.Trainer
 validates first. The hook sequences are compared with that one hook placed as the federated run
 places it. Weights are compared to float rounding: the server adds the mean update to the global

@@ -4,7 +4,7 @@ across steps, clients and ranks."""
 import pytest
 import torch
 
-from dpfl_lightning.logged_metrics import LoggedMetrics, merge
+from dpfl_lightning.module.logged_metrics import LoggedMetrics, merge
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 

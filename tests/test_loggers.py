@@ -16,8 +16,8 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dpfl_lightning import cli
-from dpfl_lightning.loggers import (
+from dpfl_lightning.cli import command as cli
+from dpfl_lightning.tracking.loggers import (
     RoundProgress,
     WandbLogger,
     log_privacy_settings,
@@ -330,7 +330,7 @@ def test_piped_fit_output_is_plain(tmp_path):
     """``dpfl fit`` into a pipe (a batch job's log): no escape sequences or carriage returns, W&B
     offline without the warning and the sparkline summary."""
     cfg = tmp_path / "wb.yaml"
-    cfg.write_text(yaml.safe_dump({"trainer": {"loggers": [{"class_path": "dpfl_lightning.loggers.WandbLogger",
+    cfg.write_text(yaml.safe_dump({"trainer": {"loggers": [{"class_path": "dpfl_lightning.tracking.loggers.WandbLogger",
                                                             "init_args": {"mode": "offline"}}]}}))
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "COLUMNS": "80"}
     env.pop("WANDB_SILENT", None)

@@ -12,7 +12,7 @@ import torch
 from dp_accounting.rdp import RdpAccountant
 
 from dpfl_lightning import ConfigError
-from dpfl_lightning.payload import UPDATE
+from dpfl_lightning.federated.payload import UPDATE
 from dpfl_lightning.plugins import (AdaptiveClip, FedEXP, GaussianNoise, PrivacyLedger, PrivUnitRandomizer,
                                     UpdateClipping)
 from dpfl_lightning.plugins.base import FederatedCallback
@@ -145,7 +145,7 @@ def test_target_epsilon_calibrates_the_composition_with_the_count(log_dir):
 def test_cdp_fedexp_planning_needs_the_model_size():
     from dpfl_lightning import FederatedTrainer
     from dpfl_lightning.algorithms import CDPFedEXP
-    from dpfl_lightning.privacy_cli import plan_run
+    from dpfl_lightning.cli.privacy_command import plan_run
 
     def plan(model):
         t = FederatedTrainer(rounds=5, algorithm=CDPFedEXP(clip=1.0, noise_multiplier=0.5), enable_summary=False)

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning.cli import main
+from dpfl_lightning.run import checkpoint_format as ckpt
+from dpfl_lightning.cli.command import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}

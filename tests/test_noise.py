@@ -154,7 +154,7 @@ def test_bad_noise_settings(kwargs):
 
 
 def test_signal_to_noise_is_estimated_from_the_noised_sum():
-    from dpfl_lightning.payload import Aggregate
+    from dpfl_lightning.federated.payload import Aggregate
 
     g = torch.Generator().manual_seed(0)
     d, sigma = 200_000, 0.5

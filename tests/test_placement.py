@@ -5,7 +5,7 @@ import random
 import pytest
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.placement import balanced, owner
+from dpfl_lightning.federated.placement import balanced, owner
 from dpfl_lightning.plugins.base import FederatedCallback
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

@@ -11,7 +11,7 @@ from dp_accounting import rdp as dp_rdp
 from dp_accounting.privacy_accountant import NeighboringRelation
 
 from dpfl_lightning import ConfigError
-from dpfl_lightning.payload import Segment
+from dpfl_lightning.federated.payload import Segment
 from dpfl_lightning.plugins import FederatedCallback, GaussianNoise, PrivacyLedger, UpdateClipping
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
 from plugin_sketches import AdaptiveClip, Coin, NormSquare, PrivUnitSketch, SecondVector, consumers_run

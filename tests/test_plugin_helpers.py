@@ -4,7 +4,7 @@ DPSGD)."""
 
 import pytest
 
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins import DPSGD, AdaptiveClip, GaussianNoise
 
 

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning.run import checkpoint_format as ckpt
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.preemption import Preempted, resume_command
+from dpfl_lightning.run.preemption import Preempted, resume_command
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

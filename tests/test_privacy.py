@@ -205,7 +205,7 @@ def test_budget_stops_before_exceeding(log_dir):
 
 
 def test_a_budget_stop_checkpoints_its_last_round(tmp_path):
-    from dpfl_lightning import checkpoint as ckpt
+    from dpfl_lightning.run import checkpoint_format as ckpt
 
     full = [_reference_rdp(0.1, 1.5, t, 1e-4) for t in range(1, 40)]
     budget = (full[5] + full[6]) / 2  # exactly 6 rounds fit
@@ -294,7 +294,7 @@ def test_fixed_size_dpsgd_uses_one_relation_for_every_client(log_dir):
 
 
 def test_calibrate_refuses_delta_at_or_above_one_over_n(capsys):
-    from dpfl_lightning import cli
+    from dpfl_lightning.cli import command as cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["privacy", "calibrate", "--epsilon", "2", "--delta", "0.5", "--rounds", "10", "--clients", "50"])

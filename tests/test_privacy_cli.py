@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from dpfl_lightning import cli
+from dpfl_lightning.cli import command as cli
 from dpfl_lightning.privacy import GaussianRelease, epsilon, max_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,7 +4,7 @@ before the row is summed, read-only; in both executors."""
 import pytest
 import torch
 
-from dpfl_lightning.payload import Segment
+from dpfl_lightning.federated.payload import Segment
 from dpfl_lightning.plugins import FederatedCallback, GaussianNoise, UpdateClipping
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

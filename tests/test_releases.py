@@ -11,8 +11,8 @@ import re
 import pytest
 from lightning.pytorch.loggers import Logger
 
-from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning.run import reporting as trainer_module
+from dpfl_lightning.run import checkpoint_format as ckpt
+from dpfl_lightning.run import log_setup as trainer_module
 from dpfl_lightning.algorithms import PFL, DPFedAvg, DPFedAvgLocal, DPNormFedAvg
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
@@ -135,7 +135,7 @@ def test_a_test_set_drawn_from_the_clients_is_stated(log_dir):
 def test_the_withheld_line_names_no_key_met_in_training():
     """What a DP run says it withheld is the same whichever keys training produced (a key logged under a
     data condition would say something about one client); it names the keys known at set-up."""
-    from dpfl_lightning.releases import MetricRelease, ReleaseList
+    from dpfl_lightning.federated.releases import MetricRelease, ReleaseList
 
     def lines(logged):
         releases = ReleaseList(private=True, opt_in=False)
@@ -160,6 +160,6 @@ def test_the_withheld_line_names_no_key_met_in_training():
     (True, False, "unaccounted"),  # local_epochs: the step count follows the largest client's records
 ])
 def test_a_scheduled_learning_rate_is_released_by_the_settings(step_interval, steps_are_public, kind):
-    from dpfl_lightning.releases import learning_rate_kind
+    from dpfl_lightning.federated.releases import learning_rate_kind
 
     assert learning_rate_kind(step_interval, steps_are_public) == kind

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import yaml
 
-from dpfl_lightning import cli
+from dpfl_lightning.cli import command as cli
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.reporting import write_report
+from dpfl_lightning.tracking.report import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dpfl_lightning import FederatedTrainer
-from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning.run import checkpoint_format as ckpt
 from dpfl_lightning.algorithms import DPFedAvg
-from dpfl_lightning.cli import main
+from dpfl_lightning.cli.command import main
 from dpfl_lightning.data import Digits
 from dpfl_lightning.models import MLPClassifier
 

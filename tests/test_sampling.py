@@ -6,7 +6,7 @@ from scipy import stats
 
 from dpfl_lightning import ConfigError
 from dpfl_lightning.rng import RandomSource, new_secret
-from dpfl_lightning.sampling import ClientSampler
+from dpfl_lightning.federated.sampling import ClientSampler
 
 SRC = RandomSource(0)
 

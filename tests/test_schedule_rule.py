@@ -1,5 +1,5 @@
 """Where a client's optimizers start with clients of different sizes and partial participation (the
-rule in dpfl_lightning.schedule and the README's "Lightning semantics"): a client of ``S`` optimizer
+rule in dpfl_lightning.module.schedule and the README's "Lightning semantics"): a client of ``S`` optimizer
 steps per round starts round ``r`` at ``global_step = r * S``; what the module itself changed (a
 warm-up in ``optimizer_step``) continues only from the previous round's clients of ``S`` steps, else
 the client starts where the schedule alone stands (``configure_optimizers``' settings, its

@@ -97,7 +97,7 @@ def test_the_secret_is_in_no_file_the_run_writes(tmp_path):
 def test_secure_checkpoints_do_not_reveal_cohorts(tmp_path):
     # Two successive checkpoints' per-client participation counts would give the round's cohort,
     # which the secure guarantee (amplification by sampling) keeps secret.
-    from dpfl_lightning import checkpoint
+    from dpfl_lightning.run import checkpoint_format as checkpoint
 
     def plugin_state_counts(secure):
         ledger = PrivacyLedger(delta=1e-4)

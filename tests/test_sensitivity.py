@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpfl_lightning import ConfigError
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins import ClientContext, UpdateClipping, UpdateNormalization
 from dpfl_lightning.rng import RandomSource
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data

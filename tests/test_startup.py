@@ -19,7 +19,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "COLUMNS"
 PROBE = """
 import json, sys
 sys.argv = ["dpfl", *json.loads(sys.argv[1])]
-from dpfl_lightning.cli import main
+from dpfl_lightning.cli.command import main
 code = 0
 try:
     main()
@@ -81,8 +81,8 @@ def test_the_privacy_planner_runs_without_torch_or_lightning(args, code, needle)
 
 COMPARE = """
 import contextlib, io, json, os
-from dpfl_lightning import cli, cli_help
-from dpfl_lightning.cli_parsers import SIGNATURE_PARSERS, build_parser
+from dpfl_lightning.cli import command as cli, help as cli_help
+from dpfl_lightning.cli.parsers import SIGNATURE_PARSERS, build_parser
 
 # what `dpfl fit --help` printed when it built the full parser, against what it prints now
 os.environ["COLUMNS"] = "100"
@@ -122,14 +122,14 @@ print("COMPARE " + json.dumps(differ))
 def test_the_stored_help_is_the_full_parsers_help():
     """The help printed without torch is the text of the parsers built from the signatures (at
     several terminal widths); when a signature or docstring changes, this fails until
-    ``python -m dpfl_lightning.cli_help`` regenerates dpfl_lightning/cli_help_data.py. Compared as
+    ``python -m dpfl_lightning.cli.help`` regenerates dpfl_lightning/cli/help_data.py. Compared as
     words, without the dotted names of other packages: which of their LightningModule subclasses a
     parser lists depends on what the environment imported, not on our signatures."""
     proc = subprocess.run([sys.executable, "-c", COMPARE], capture_output=True, text=True, timeout=TIMEOUT_S,
                           env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     differ = json.loads(proc.stdout.rpartition("COMPARE ")[2])
-    assert differ == [], f"stale help data for {differ}: run python -m dpfl_lightning.cli_help"
+    assert differ == [], f"stale help data for {differ}: run python -m dpfl_lightning.cli.help"
 
 
 def test_the_light_help_lists_the_signature_options():

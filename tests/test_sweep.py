@@ -14,9 +14,10 @@ import sys
 import pytest
 import yaml
 
-from dpfl_lightning import cli, sweep
+from dpfl_lightning.cli import command as cli
+from dpfl_lightning.tracking import sweep
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.reporting import write_report
+from dpfl_lightning.tracking.report import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = ["${env}", "${interpreter}", "-m", "dpfl_lightning", "fit", "--config", "{base}", "${args}"]

@@ -10,10 +10,10 @@ from torch import nn
 
 import lightning as L
 from dpfl_lightning import ConfigError
-from dpfl_lightning.aggregation import PayloadAggregator
+from dpfl_lightning.federated.aggregation import PayloadAggregator
 from dpfl_lightning.algorithms import DPFedAvg
 from dpfl_lightning.comm import LocalCommunicator
-from dpfl_lightning.payload import PayloadLayout, Segment
+from dpfl_lightning.federated.payload import PayloadLayout, Segment
 from dpfl_lightning.plugins import SCAFFOLD, GaussianNoise, ScaffNew, ServerOptimizer, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
 from helpers import quiet_trainer, tiny_data

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpfl_lightning import ConfigError, FederatedTrainer
-from dpfl_lightning.cli_errors import unknown_option
+from dpfl_lightning.cli.parse_errors import unknown_option
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 

@@ -1,5 +1,8 @@
 """Communicators: one process (:class:`LocalCommunicator`), MPI ranks (:class:`MPICommunicator`),
-torch.distributed/NCCL bootstrapped from MPI (:class:`TorchDistCommunicator`)."""
+torch.distributed/NCCL bootstrapped from MPI (:class:`TorchDistCommunicator`).
+
+May import: the foundation (``errors``) only; ``federated``'s aggregation, the run and the trainer use it.
+"""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 from dpfl_lightning.data.partition import PARTITIONS, partition
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.module.introspect import is_overridden
-from dpfl_lightning.plan import batch_shape
+from dpfl_lightning.federated.plan import batch_shape
 from dpfl_lightning.rng import Stream
 
 Batch = Any

@@ -11,7 +11,7 @@ While a run lasts, ``self.trainer`` of the wrapped module is a small stand-in fo
 ``global_step`` and ``estimated_stepping_batches`` count one client's optimizer steps,
 ``self.optimizers()``, ``self.lr_schedulers()``, ``self.manual_backward``, ``self.clip_gradients``,
 ``self.toggle_optimizer`` work as under Lightning. What each of these means in a federated run is
-written down in :mod:`dpfl_lightning.lightning_compat`. Every client's optimizers start where one
+written down in :mod:`dpfl_lightning.lightning.semantics`. Every client's optimizers start where one
 Lightning run's schedule would stand (:mod:`~dpfl_lightning.module.replay`).
 """
 
@@ -25,15 +25,15 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.logged_metrics import LoggedMetrics
+from dpfl_lightning.module.logged_metrics import LoggedMetrics
 from dpfl_lightning.module.batches import Batch
-from dpfl_lightning.module.evaluation import Evaluation
+from dpfl_lightning.module.eval_pass import Evaluation
 from dpfl_lightning.module.introspect import TRANSFER_HOOKS, is_lightning_module, is_overridden
 from dpfl_lightning.module.loop import ClientLoop, ClientRun, LoopSettings, StepHook, WrapOptimizer
 from dpfl_lightning.module.parameters import FlatParameters
 from dpfl_lightning.module.replay import OptimizerRule, ScheduleReplay
 from dpfl_lightning.module.trainer_shim import TrainerShim
-from dpfl_lightning.schedule import RoundEnd, ScheduleCursor
+from dpfl_lightning.module.schedule import RoundEnd, ScheduleCursor
 
 
 class FederatedLightningModule:
@@ -262,7 +262,7 @@ class FederatedLightningModule:
 
     @property
     def notes(self) -> set[str]:
-        """What the run says differs from lightning.Trainer (see :mod:`dpfl_lightning.lightning_compat`)."""
+        """What the run says differs from lightning.Trainer (see :mod:`dpfl_lightning.lightning.semantics`)."""
         return self.schedules.notes
 
     @property
@@ -284,7 +284,7 @@ class FederatedLightningModule:
 
     def cursor(self, steps: int, round_idx: int) -> ScheduleCursor:
         """The optimizers and schedulers of a client with ``steps`` optimizer steps per round, at the start
-        of ``round_idx`` (see :mod:`dpfl_lightning.schedule`)."""
+        of ``round_idx`` (see :mod:`dpfl_lightning.module.schedule`)."""
         return self.schedules.cursor(steps, round_idx)
 
     def make_optimizers(self, steps: int = 0, round_idx: int = 0) -> tuple[list[torch.optim.Optimizer],
@@ -327,7 +327,7 @@ class FederatedLightningModule:
         replaces each fresh local optimizer (e.g. by a DP-SGD optimizer). ``batches_per_round`` (the
         client's local batches this round) and ``batches_per_epoch`` place the client's schedule: its
         optimizers, schedulers and ``self.global_step`` start where the cursor of its optimizer steps
-        per round stands at ``round_idx`` (see :mod:`dpfl_lightning.schedule`), and where it ends them
+        per round stands at ``round_idx`` (see :mod:`dpfl_lightning.module.schedule`), and where it ends them
         is recorded for the round (:meth:`round_ends_of_clients`)."""
         return self.client_loop.fit_client(batches, round_idx, lr_factor, before_optimizer_step, wrap_optimizer,
                                            batches_per_round, batches_per_epoch)

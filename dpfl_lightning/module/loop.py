@@ -30,12 +30,12 @@ import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from dpfl_lightning import optimizer_calls
+from dpfl_lightning.module import optimizer_calls
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.module.batches import Batch, batch_size_of, move_batch
 from dpfl_lightning.module.introspect import STEP_HOOKS, TRANSFER_HOOKS, is_overridden, overridden
 from dpfl_lightning.module.optimizers import optimizer_steps_per_round, step_scheduler_as_lightning
-from dpfl_lightning.schedule import RoundEnd
+from dpfl_lightning.module.schedule import RoundEnd
 
 StepHook = Callable[[torch.optim.Optimizer], None]
 WrapOptimizer = Callable[[torch.optim.Optimizer], torch.optim.Optimizer]

@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.schedule import step_scheduler
+from dpfl_lightning.module.schedule import step_scheduler
 
 _SCHEDULER_KEYS = {"scheduler", "name", "interval", "frequency", "reduce_on_plateau", "monitor", "strict"}
 

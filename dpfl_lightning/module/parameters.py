@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpfl_lightning import frozen
+from dpfl_lightning.federated import frozen
 from dpfl_lightning.errors import ConfigError
 
 _STATS_WHY = ("BatchNorm running statistics are computed from each client's data in train mode and are not federated "
@@ -128,7 +128,7 @@ class FlatParameters:
 
     def trainable_mask(self) -> torch.Tensor:
         """A bool mask over the flat buffers: ``True`` where the parameter requires gradients now (a
-        fresh tensor; see :func:`dpfl_lightning.frozen.trainable_mask`)."""
+        fresh tensor; see :func:`dpfl_lightning.federated.frozen.trainable_mask`)."""
         n = self.working.numel()
         mask = frozen.trainable_mask(self.params, self.slices, n, self.working.device)
         return torch.ones(n, dtype=torch.bool, device=self.working.device) if mask is None else mask

@@ -1,6 +1,6 @@
 """Schedule replay: every client builds fresh optimizers from ``configure_optimizers``, placed where
 one Lightning run's schedule would stand at the client's round (a cursor per number of optimizer
-steps per round, see :mod:`dpfl_lightning.schedule`); where the clients of ``S`` steps of a round all
+steps per round, see :mod:`dpfl_lightning.module.schedule`); where the clients of ``S`` steps of a round all
 ended in the same state that the schedule alone does not give, the next round's clients of ``S``
 steps continue from it; where a round leaves them nothing to continue (none of them trained, they
 ended differently) they restart where the schedule alone stands."""
@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.module.optimizers import parse_optimizers, step_scheduler_as_lightning
-from dpfl_lightning.schedule import RESTART, RoundEnd, ScheduleCursor, ended_as, hyperparameters, merge_end
+from dpfl_lightning.module.schedule import RESTART, RoundEnd, ScheduleCursor, ended_as, hyperparameters, merge_end
 
 #: a rule on the optimizers ``configure_optimizers`` returns, checked at set-up (it raises to refuse)
 OptimizerRule = Callable[[list[torch.optim.Optimizer]], None]
@@ -49,7 +49,7 @@ class ScheduleReplay:
     def set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
         """What the module's trainer says at the start of a client's round: ``current_epoch`` is the
         round, ``global_step`` where the schedule of ``steps`` steps per round stands (``round * steps``
-        unless the module's own steps moved it; see :mod:`dpfl_lightning.schedule`)."""
+        unless the module's own steps moved it; see :mod:`dpfl_lightning.module.schedule`)."""
         shim = self.fm.trainer_shim
         shim.current_epoch = round_idx
         shim.global_step = self.start_step(steps, round_idx)
@@ -107,7 +107,7 @@ class ScheduleReplay:
 
     def cursor(self, steps: int, round_idx: int) -> ScheduleCursor:
         """The optimizers and schedulers of a client with ``steps`` optimizer steps per round, at the start
-        of ``round_idx`` (see :mod:`dpfl_lightning.schedule`)."""
+        of ``round_idx`` (see :mod:`dpfl_lightning.module.schedule`)."""
         cur = self.cursors.get(steps)
         if cur is None or cur.round > round_idx:
             cur = self.cursors[steps] = self._new_cursor(steps, lambda r: self._outcome(steps, r))
@@ -160,7 +160,7 @@ class ScheduleReplay:
     # ------------------------------------------------------------------ what clients carry across rounds
     def record_end(self, steps: int, opts: list[torch.optim.Optimizer], scheds: list[LRSchedulerConfig],
                    expected: RoundEnd) -> None:
-        """A client's end of round, summed up for the round (:func:`~dpfl_lightning.schedule.merge_end`):
+        """A client's end of round, summed up for the round (:func:`~dpfl_lightning.module.schedule.merge_end`):
         only where it differs from the schedule's does its state count."""
         step = self.fm.trainer_shim.global_step
         if ended_as(expected, step, opts, scheds):
@@ -171,7 +171,7 @@ class ScheduleReplay:
 
     def round_ends_of_clients(self) -> dict[int, RoundEnd | str | None]:
         """What this rank's clients of each step count did with their optimizers' state this round (see
-        :func:`~dpfl_lightning.schedule.merge_end`); cleared for the next round."""
+        :func:`~dpfl_lightning.module.schedule.merge_end`); cleared for the next round."""
         out, self.client_ends = self.client_ends, {}
         return out
 

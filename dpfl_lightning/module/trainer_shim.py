@@ -1,7 +1,7 @@
 """What the wrapped module sees as ``self.trainer`` while a run lasts: a stand-in for
 ``lightning.Trainer`` (:class:`TrainerShim`), its ``strategy`` (where ``LightningOptimizer.step`` and
 ``manual_backward`` land) and its ``precision_plugin`` (gradient clipping). What each attribute
-means in a federated run is written down in :mod:`dpfl_lightning.lightning_compat`."""
+means in a federated run is written down in :mod:`dpfl_lightning.lightning.semantics`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from dpfl_lightning import optimizer_calls
+from dpfl_lightning.module import optimizer_calls
 
 
 class ShimStrategy:
@@ -82,7 +82,7 @@ class ShimStrategy:
 
 class ShimPrecision:
     """``self.trainer.precision_plugin``: gradient clipping as Lightning's precision plugins do it
-    (an optimizer may refuse it: :func:`dpfl_lightning.optimizer_calls.check_gradient_clipping`)."""
+    (an optimizer may refuse it: :func:`dpfl_lightning.module.optimizer_calls.check_gradient_clipping`)."""
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: float | int = 0.0,
                        gradient_clip_algorithm: Any = "norm") -> None:
@@ -98,7 +98,7 @@ class ShimPrecision:
 
 class TrainerShim:
     """``self.trainer`` of the wrapped module during a federated run (a stand-in for
-    ``lightning.Trainer``; see :mod:`dpfl_lightning.lightning_compat` for what each attribute means)."""
+    ``lightning.Trainer``; see :mod:`dpfl_lightning.lightning.semantics` for what each attribute means)."""
 
     def __init__(self, fm: Any) -> None:
         self.strategy = ShimStrategy(self, fm)
@@ -150,7 +150,7 @@ class TrainerShim:
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(f"self.trainer.{name} is not available in a federated run (there is no lightning.Trainer; "
-                             "see dpfl_lightning.lightning_compat for what self.trainer offers)")
+                             "see dpfl_lightning.lightning.semantics for what self.trainer offers)")
 
     def clear_client(self) -> None:
         """What a client's training leaves behind, cleared (also after a failure)."""

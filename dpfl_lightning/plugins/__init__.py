@@ -1,6 +1,11 @@
 """Plugins: one per file, each a :class:`FederatedCallback`. The names load on first use (PEP 562):
 ``from dpfl_lightning.plugins import UpdateClipping`` does not load Opacus (``DPSGD`` does, when a
-DP-SGD run sets up)."""
+DP-SGD run sets up).
+
+May import: ``data``, ``module``, ``federated``, ``privacy``, the foundation (``errors``, ``rng``,
+``lazy``); :mod:`~.contexts` is what every hook receives. Plugins never import an executor, the run
+or the trainer.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,8 @@ from dpfl_lightning.lazy import exports
 
 _LAZY = {
     "AdaptiveClip": "dpfl_lightning.plugins.adaptive_clipping",
-    "Aggregate": "dpfl_lightning.payload",
-    "ClientContext": "dpfl_lightning.contexts",
+    "Aggregate": "dpfl_lightning.federated.payload",
+    "ClientContext": "dpfl_lightning.plugins.contexts",
     "DPSGD": "dpfl_lightning.plugins.dpsgd",
     "FedEXP": "dpfl_lightning.plugins.fedexp",
     "FederatedCallback": "dpfl_lightning.plugins.base",
@@ -18,11 +23,11 @@ _LAZY = {
     "PrivacyLedger": "dpfl_lightning.plugins.privacy_ledger",
     "SCAFFOLD": "dpfl_lightning.plugins.scaffold",
     "ScaffNew": "dpfl_lightning.plugins.scaffnew",
-    "Segment": "dpfl_lightning.payload",
+    "Segment": "dpfl_lightning.federated.payload",
     "SensitivityBound": "dpfl_lightning.plugins.sensitivity",
-    "ServerContext": "dpfl_lightning.contexts",
+    "ServerContext": "dpfl_lightning.plugins.contexts",
     "ServerOptimizer": "dpfl_lightning.plugins.server_optimizer",
-    "SetupContext": "dpfl_lightning.contexts",
+    "SetupContext": "dpfl_lightning.plugins.contexts",
     "UpdateClipping": "dpfl_lightning.plugins.clipping",
     "UpdateNormalization": "dpfl_lightning.plugins.normalization",
 }

@@ -26,11 +26,11 @@ from typing import Any
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import Segment
+from dpfl_lightning.federated.payload import Segment
 from dpfl_lightning.plugins.gaussian_noise import client_noise_std, noised_value_bound
 from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 
 COUNT_NOISE = rng.register_purpose("AdaptiveClip.count_noise")
 MAX_LEARNING_RATE = 10.0

@@ -17,14 +17,14 @@ order). A round runs::
     evaluation
     on_round_end(server, metrics)       account, add metrics (declared in ``released_metrics``)
 
-Hooks take keyword arguments only and receive narrow contexts (:mod:`dpfl_lightning.contexts`),
+Hooks take keyword arguments only and receive narrow contexts (:mod:`dpfl_lightning.plugins.contexts`),
 never the trainer. Set-up hooks declare what a plugin adds to a run: the payload segments it sends
 (:meth:`payload_segments`), the DP mechanisms it runs (:meth:`privacy_mechanisms`) and the metrics
 it logs (:meth:`released_metrics`). State a plugin keeps across rounds goes in :meth:`state_dict`;
 checkpoints store it under :attr:`state_key`, so adding or removing a stateless plugin does not
 break a resume. Per-client state goes in ``client.state`` (it lives with the client, on the rank
 that trains it, and is checkpointed by client id); a plugin that keeps it sets
-``keeps_client_state = True`` (see :mod:`dpfl_lightning.placement`).
+``keeps_client_state = True`` (see :mod:`dpfl_lightning.federated.placement`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from dpfl_lightning.contexts import ClientContext, ServerContext, SetupContext
-    from dpfl_lightning.payload import Segment
-    from dpfl_lightning.plan import RoundPlan
+    from dpfl_lightning.plugins.contexts import ClientContext, ServerContext, SetupContext
+    from dpfl_lightning.federated.payload import Segment
+    from dpfl_lightning.federated.plan import RoundPlan
     from dpfl_lightning.privacy.mechanisms import Mechanism
-    from dpfl_lightning.releases import MetricRelease
+    from dpfl_lightning.federated.releases import MetricRelease
 
 # Where a plugin runs relative to the others. Sensitivity must be bounded before noise is added,
 # and noise must be added before anything leaves the client or reaches the server optimizer.
@@ -93,7 +93,7 @@ class FederatedCallback:
         start of every round, in plugin order: bounding plugins return their norm bound, noise
         widens it by a Gaussian tail, a plugin that writes a segment gives its range. The exact
         aggregation fixes its grid from these in advance and streams (see
-        :mod:`dpfl_lightning.aggregation`)."""
+        :mod:`dpfl_lightning.federated.aggregation`)."""
         return bound
 
     def on_fit_start(self, *, ctx: SetupContext) -> None:

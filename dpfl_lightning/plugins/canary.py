@@ -51,13 +51,13 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import UPDATE, Segment, trainable_part
+from dpfl_lightning.federated.payload import UPDATE, Segment, trainable_part
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, FederatedCallback
 from dpfl_lightning.plugins.sensitivity import scale_to_norm_
 from dpfl_lightning.privacy.audit import Estimate, LowerBound, gaussian_fit_estimate, one_run_lower_bound
 from dpfl_lightning.privacy.audit_bounds import NOISE_BLOCKS, GdpBound, NoiseCheck, gdp_lower_bound, noise_check
 from dpfl_lightning.privacy.guarantees import guarantees
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 
 CANARY = rng.register_purpose("CanaryClients.canary")
 INSERTIONS = ("random", "all", "none")

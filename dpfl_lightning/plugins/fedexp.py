@@ -35,13 +35,14 @@ import math
 
 import torch
 
-from dpfl_lightning import frozen, rng
+from dpfl_lightning import rng
+from dpfl_lightning.federated import frozen
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import UPDATE, Segment
+from dpfl_lightning.federated.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_SERVER_STEP, FederatedCallback
 from dpfl_lightning.plugins.setup_checks import check_uniform_weighting
 from dpfl_lightning.privacy.mechanisms import Mechanism
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 
 VARIANTS = ("plain", "ldp_gaussian", "ldp_privunit", "cdp")
 XI_NOISE = rng.register_purpose("FedEXP.xi_noise")

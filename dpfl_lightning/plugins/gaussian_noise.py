@@ -36,13 +36,14 @@ from typing import Callable
 
 import torch
 
-from dpfl_lightning import frozen, rng
+from dpfl_lightning import rng
+from dpfl_lightning.federated import frozen
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import UPDATE
+from dpfl_lightning.federated.payload import UPDATE
 from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 
 
 #: a Gaussian coordinate exceeds this many standard deviations with probability below 1e-500

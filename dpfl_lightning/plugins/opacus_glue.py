@@ -186,7 +186,7 @@ class KeyedDPOptimizer(DPOptimizer):
     accountant counts (like an empty Poisson batch).
 
     Its own rules, which the local loop honours without knowing them
-    (:mod:`dpfl_lightning.optimizer_calls`): at most one step per batch in manual optimization (the
+    (:mod:`dpfl_lightning.module.optimizer_calls`): at most one step per batch in manual optimization (the
     accountant counts one noisy step per sampled batch), and no clipping of the batch gradient
     (every record's gradient is clipped, and the batch gradient is ignored)."""
 

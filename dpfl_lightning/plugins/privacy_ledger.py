@@ -29,7 +29,7 @@ from dpfl_lightning.plugins.base import ORDER_LEDGER, FederatedCallback
 from dpfl_lightning.privacy.accountants import PLD_DISCRETIZATION, accountant_used, create_accountant, epsilon
 from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 
 
 class PrivacyLedger(FederatedCallback):

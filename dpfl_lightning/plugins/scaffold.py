@@ -67,13 +67,13 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.payload import UPDATE, Segment, full_update
+from dpfl_lightning.federated.payload import UPDATE, Segment, full_update
 from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
 from dpfl_lightning.plugins.control_variate_state import (ClientVectors, FlatGrads, client_level_placements, held_placement,
                                                           print_privacy_line, state_note)
 from dpfl_lightning.plugins.scaffold_commit import SCAFFOLDCommit
 from dpfl_lightning.plugins.setup_checks import check_plain_sgd, check_raw_model_difference
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 
 WARM_COHORTS = rng.register_purpose("SCAFFOLD.warm_cohorts")  # the warm start's permutation of the population
 

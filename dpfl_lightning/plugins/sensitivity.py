@@ -13,9 +13,9 @@ import math
 import torch
 
 from dpfl_lightning.errors import require
-from dpfl_lightning.payload import UPDATE, Segment
+from dpfl_lightning.federated.payload import UPDATE, Segment
 from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
-from dpfl_lightning.releases import MetricRelease
+from dpfl_lightning.federated.releases import MetricRelease
 
 _SHRINK = 1.0 - 2.0**-20
 # Scaling by (C / ||u||)(1 - 2^-22) keeps the float32 result below C without measuring it again:

@@ -10,7 +10,7 @@ epsilon-DP local randomizer such as PrivUnit) together with:
   (each client adds a share; the sum carries the full noise; needs secure aggregation) or
   ``central`` (noise on the aggregate: a trusted aggregator);
 - the **payload segments** it protects (``covers``): every segment that leaves a client in a DP
-  run must be covered by some mechanism (see :mod:`dpfl_lightning.payload`).
+  run must be covered by some mechanism (see :mod:`dpfl_lightning.federated.payload`).
 
 Events are given for both neighbouring relations: ``add_remove`` (one unit more or less; the
 distance between two neighbours' sums of ``C``-bounded contributions is ``C``) and

@@ -14,11 +14,11 @@ from typing import Any, Callable
 import torch
 
 from dpfl_lightning import rng
-from dpfl_lightning.aggregation import PayloadAggregator
-from dpfl_lightning.contexts import ClientContext
+from dpfl_lightning.federated.aggregation import PayloadAggregator
+from dpfl_lightning.plugins.contexts import ClientContext
 from dpfl_lightning.errors import NonFiniteUpdateError
 from dpfl_lightning.executor import RoundWork, TrainedClient
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.run.client_states import ClientStates
 from dpfl_lightning.run.hooks import HookTable
 

@@ -8,10 +8,10 @@ from typing import Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from dpfl_lightning import placement
+from dpfl_lightning.federated import placement
 from dpfl_lightning.comm import Communicator
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.plan import RoundPlan
 
 
 class ClientStates:
@@ -24,7 +24,7 @@ class ClientStates:
         self._warned_secure = False
 
     def owner(self, client: int) -> int:
-        """The rank that keeps ``client``'s state (see :mod:`dpfl_lightning.placement`)."""
+        """The rank that keeps ``client``'s state (see :mod:`dpfl_lightning.federated.placement`)."""
         return placement.owner(client, self.comm.size)
 
     def of(self, client: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ class HookTable:
         self.plugins = plugins
         self._by_hook = {h: [p for p in plugins if overrides(p, h)] for h in HOOKS}
         self.bounders = [p for p in plugins if overrides(p, "value_bound")]
-        #: clients train on the rank where their state lives (see dpfl_lightning.placement)
+        #: clients train on the rank where their state lives (see dpfl_lightning.federated.placement)
         self.keeps_client_state = any(p.keeps_client_state for p in plugins)
 
     def __getitem__(self, hook: str) -> list[FederatedCallback]:

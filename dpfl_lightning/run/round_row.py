@@ -1,5 +1,5 @@
 """A round's metric row: every value tagged with its release kind where it is produced, and one
-release filter (:class:`~dpfl_lightning.releases.ReleaseList`) between the row and every logger,
+release filter (:class:`~dpfl_lightning.federated.releases.ReleaseList`) between the row and every logger,
 callback and schedule."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from dpfl_lightning.comm import Communicator
-from dpfl_lightning.contexts import ServerContext
-from dpfl_lightning.logged_metrics import merge
-from dpfl_lightning.payload import Aggregate
-from dpfl_lightning.plan import RoundPlan
-from dpfl_lightning.releases import MetricKinds, ReleaseList
+from dpfl_lightning.plugins.contexts import ServerContext
+from dpfl_lightning.module.logged_metrics import merge
+from dpfl_lightning.federated.payload import Aggregate
+from dpfl_lightning.federated.plan import RoundPlan
+from dpfl_lightning.federated.releases import MetricKinds, ReleaseList
 from dpfl_lightning.run.hooks import HookTable
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from dpfl_lightning.aggregation import PayloadAggregator
+from dpfl_lightning.federated.aggregation import PayloadAggregator
 from dpfl_lightning.comm import Communicator
-from dpfl_lightning.contexts import ServerContext
+from dpfl_lightning.plugins.contexts import ServerContext
 from dpfl_lightning.errors import NonFiniteUpdateError
-from dpfl_lightning.payload import Aggregate
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.payload import Aggregate
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
 from dpfl_lightning.run.hooks import HookTable
 

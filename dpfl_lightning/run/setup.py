@@ -22,25 +22,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dpfl_lightning import frozen, rng
-from dpfl_lightning.placement import available_cpus
-from dpfl_lightning.checkpoint import check_state_keys
-from dpfl_lightning.contexts import ServerContext, SetupContext
+from dpfl_lightning import rng
+from dpfl_lightning.federated import frozen
+from dpfl_lightning.federated.placement import available_cpus
+from dpfl_lightning.run.checkpoint_format import check_state_keys
+from dpfl_lightning.plugins.contexts import ServerContext, SetupContext
 from dpfl_lightning.errors import require
-from dpfl_lightning.loggers import noise_multiplier_notes, print_privacy_lines
-from dpfl_lightning.payload import UPDATE, PayloadLayout, Segment, check_coverage
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.tracking.loggers import noise_multiplier_notes, print_privacy_lines
+from dpfl_lightning.federated.payload import UPDATE, PayloadLayout, Segment, check_coverage
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
 from dpfl_lightning.privacy.guarantees import Guarantee, guarantees
 from dpfl_lightning.privacy.planning import PrivacyPlanner
-from dpfl_lightning.releases import MetricRelease, ReleaseList
-from dpfl_lightning.sampling import ClientSampler
+from dpfl_lightning.federated.releases import MetricRelease, ReleaseList
+from dpfl_lightning.federated.sampling import ClientSampler
 
 if TYPE_CHECKING:
     from dpfl_lightning.comm import Communicator
-    from dpfl_lightning.settings import TrainerSettings
+    from dpfl_lightning.run.settings import TrainerSettings
 
 
 def _set_rank_zero(rank: int) -> None:

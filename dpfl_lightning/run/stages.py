@@ -3,7 +3,7 @@ methods read it, and the evaluation stages themselves.
 
 ``validate``, ``test`` and ``predict`` run the module's own ``validation_step`` / ``test_step`` /
 ``predict_step`` under ``lightning.Trainer`` on one device, as ``dpfl validate | test | predict`` do
-(:func:`dpfl_lightning.evaluation.run_lightning_stage`), and return what Lightning returns: one dict
+(:func:`dpfl_lightning.run.lightning_eval.run_lightning_stage`), and return what Lightning returns: one dict
 of metrics per dataloader, or the list of ``predict_step`` outputs.
 
 - The model: the one given (a LightningModule, or the :class:`FederatedLightningModule` ``fit``
@@ -33,12 +33,12 @@ import os
 import warnings
 from typing import Any
 
-from dpfl_lightning import run_files
+from dpfl_lightning.tracking import run_files
 from dpfl_lightning.data.module import FederatedDataModule
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.evaluation import privacy_statement, run_lightning_stage
+from dpfl_lightning.run.lightning_eval import privacy_statement, run_lightning_stage
 from dpfl_lightning.module import FederatedLightningModule, is_lightning_module
-from dpfl_lightning.settings import TrainerSettings
+from dpfl_lightning.run.settings import TrainerSettings
 
 
 def fit_inputs(module: Any, data: Any) -> FederatedLightningModule:

@@ -7,10 +7,10 @@ import signal
 import pytest
 import torch
 
-from dpfl_lightning import checkpoint as ckpt
+from dpfl_lightning.run import checkpoint_format as ckpt
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.base import FederatedCallback
-from dpfl_lightning.preemption import Preempted
+from dpfl_lightning.run.preemption import Preempted
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 

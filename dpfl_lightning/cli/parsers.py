@@ -11,7 +11,7 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
-from dpfl_lightning import cli_errors
+from dpfl_lightning.cli import parse_errors as cli_errors
 
 # ---------------------------------------------------------------------------------------- help text
 _ROLE = re.compile(r":(?:py:)?(?:class|mod|func|meth|attr|obj|data|exc|ref|doc):`(~?)([^`<]*?)(?:\s*<([^>]*)>)?`")
@@ -84,7 +84,7 @@ class DpflArgumentParser(ArgumentParser):
     """An ArgumentParser whose help is plain text and whose class options all have a description
     (also in the ``--data.help CLASS`` / ``--model.help CLASS`` pages, which jsonargparse builds
     with the parser's own type). Errors are raised (``exit_on_error=False``), not printed with the
-    usage: :func:`main` turns them into one line (:mod:`dpfl_lightning.cli_errors`)."""
+    usage: :func:`main` turns them into one line (:mod:`dpfl_lightning.cli.parse_errors`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -387,7 +387,7 @@ def build_parser(light: bool = False, command: str | None = None) -> ArgumentPar
 
 
 def parse_error_line(parser: ArgumentParser, argv: list[str], message: str) -> str:
-    """The one line for a parse error (see :mod:`dpfl_lightning.cli_errors`)."""
+    """The one line for a parse error (see :mod:`dpfl_lightning.cli.parse_errors`)."""
     commands = getattr(parser, "dpfl_subcommands", {})
     words = [a for a in argv if not a.startswith("-")]
     command = next((f"{w} {n}" for w, n in zip(words, words[1:]) if f"{w} {n}" in commands), None) or \

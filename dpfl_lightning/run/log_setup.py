@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from dpfl_lightning.executor import Executor, executor_choice
-from dpfl_lightning.loggers import (RoundProgress, annotated_rows, epsilon_notes, log_privacy_settings, make_loggers,
+from dpfl_lightning.tracking.loggers import (RoundProgress, annotated_rows, epsilon_notes, log_privacy_settings, make_loggers,
                                     print_summary, privacy_settings, summary_rows)
 from dpfl_lightning.run.setup import RunSetup
 from dpfl_lightning.run.status import RunStatus
-from dpfl_lightning.settings import TrainerSettings
+from dpfl_lightning.run.settings import TrainerSettings
 
 
 def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, status: RunStatus,
@@ -31,7 +31,7 @@ def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, sta
 def round_progress(settings: TrainerSettings, run: RunSetup, start: int, is_global_zero: bool,
                    signals: Any = None) -> RoundProgress:
     """The console progress of a fit (rank 0, when enabled), each epsilon shown with its delta and
-    audience; given the run's :class:`~dpfl_lightning.preemption.SignalWatch`, a signal's notice is
+    audience; given the run's :class:`~dpfl_lightning.run.preemption.SignalWatch`, a signal's notice is
     printed above the live bar and the bar is stopped before the run says how to resume."""
     progress = RoundProgress(settings.rounds, start, settings.enable_progress_bar and is_global_zero,
                              notes=epsilon_notes(run.ledger))

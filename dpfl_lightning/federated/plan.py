@@ -32,7 +32,7 @@ class RoundPlan:
             (every batch drawn independently, as its accountant assumes).
         lr_factor: the clients' learning rates are multiplied by this (client lr decay).
         trainable: a bool mask over the flat parameters of those trainable when the round starts
-            (``None``: all); frozen ones are not part of the round's update (:mod:`dpfl_lightning.frozen`).
+            (``None``: all); frozen ones are not part of the round's update (:mod:`dpfl_lightning.federated.frozen`).
     """
 
     round_idx: int

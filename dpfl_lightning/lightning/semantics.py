@@ -29,7 +29,7 @@ A module runs unchanged, or is refused at set-up with one line naming the settin
   run (so ``OneCycleLR(total_steps=self.trainer.estimated_stepping_batches)`` ends with the run).
   Under ``local_epochs``, clients of different sizes have different ``S``.
 
-**What a client's optimizers carry across rounds** (:mod:`dpfl_lightning.schedule`).
+**What a client's optimizers carry across rounds** (:mod:`dpfl_lightning.module.schedule`).
 ``configure_optimizers`` runs for every client in every round: fresh optimizers, so moment buffers
 (momentum, Adam's averages) restart every round, as in FedAvg; a module whose optimizer keeps such
 state trains differently from one lightning.Trainer run. Everything else an optimizer carries from
@@ -137,7 +137,7 @@ parameter storage holding the final global model, no trainer attached, Lightning
   ``training_step``, ``validation_step`` and ``test_step`` under autocast; parameters, updates and
   the global model stay fp32. ``16-mixed`` is refused on CPU, and with ``DPSGD`` (the scaled per-record
   gradients would be clipped at a scaled bound); ``*-true`` and ``64`` precisions are refused.
-- ``callbacks``: Lightning callbacks run at the round level (see :mod:`dpfl_lightning.callbacks`):
+- ``callbacks``: Lightning callbacks run at the round level (see :mod:`dpfl_lightning.lightning.callbacks`):
   ``ModelCheckpoint`` on a round metric, ``EarlyStopping``, ``LearningRateMonitor`` (the scheduled lr
   at the start of each round, before ``client_lr_decay``), or a one-line refusal naming the callback.
   They see only the metrics the run releases. The module's ``configure_callbacks`` are added.
@@ -150,7 +150,7 @@ with no step pre-hooks) is the closure and then ``optimizer.step()``, without an
 closure registered (``step(closure)`` runs its pre-hooks before the closure); for plain
 ``torch.optim.SGD`` on CPU (no momentum, weight decay, ``maximize``, ``foreach``, ``fused``,
 ``differentiable``; no step hooks) that step is ``p -= lr * grad`` computed by the loop, and torch's
-own ``zero_grad`` is ``grad = None`` (see :mod:`dpfl_lightning.optimizer_calls`): the same
+own ``zero_grad`` is ``grad = None`` (see :mod:`dpfl_lightning.module.optimizer_calls`): the same
 parameters, bit for bit, and an LR scheduler still sees the step; what differs is that a torch
 profile has no ``Optimizer.step#SGD.step`` / ``Optimizer.zero_grad#SGD.zero_grad`` ranges.
 
@@ -191,7 +191,7 @@ vmap refuses).
 
 **Export.** ``FederatedTrainer.save_lightning_checkpoint(path)`` (and ``final_checkpoint=True``, which
 writes ``<checkpoint_dir>/final.ckpt`` after ``fit``) writes the global model as a Lightning checkpoint
-that ``MyModule.load_from_checkpoint(path)`` loads (see :mod:`dpfl_lightning.export`). The run's own
+that ``MyModule.load_from_checkpoint(path)`` loads (see :mod:`dpfl_lightning.run.lightning_export`). The run's own
 checkpoints (``round-*.ckpt``, ``last.ckpt``) load the same way; a DP run's with
 ``weights_only=False`` (the privacy ledger's records are Python objects).
 """
@@ -203,19 +203,19 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from dpfl_lightning.callbacks import RoundTrainer, check_callbacks
+from dpfl_lightning.lightning.callbacks import RoundTrainer, check_callbacks
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.module import FederatedLightningModule, LoopSettings, is_overridden, optimizer_steps_per_round
-from dpfl_lightning.schedule import ScheduleCursor, merge_end
-from dpfl_lightning.plan import RoundPlan, batch_shape
-from dpfl_lightning.releases import learning_rate_kind
+from dpfl_lightning.module.schedule import ScheduleCursor, merge_end
+from dpfl_lightning.federated.plan import RoundPlan, batch_shape
+from dpfl_lightning.federated.releases import learning_rate_kind
 
 if TYPE_CHECKING:
     from dpfl_lightning.comm import Communicator
     from dpfl_lightning.data.module import FederatedDataModule
-    from dpfl_lightning.releases import ReleaseList
+    from dpfl_lightning.federated.releases import ReleaseList
     from dpfl_lightning.run.status import RunStatus
-    from dpfl_lightning.settings import TrainerSettings
+    from dpfl_lightning.run.settings import TrainerSettings
 
 
 def mixed16_needs_cuda(settings: TrainerSettings) -> None:
@@ -225,7 +225,7 @@ def mixed16_needs_cuda(settings: TrainerSettings) -> None:
                           "run trains on CPU", "use precision='bf16-mixed' (CPU and CUDA) or '32'")
 
 
-_SCHEDULE_KEY = "dpfl_lightning.schedule"
+_SCHEDULE_KEY = "dpfl_lightning.module.schedule"
 
 # what the run says, once, where a client's optimizers cannot continue as one lightning.Trainer run's would
 _DIFFERS = {
@@ -365,7 +365,7 @@ class LightningRun:
     @property
     def lr_kind(self) -> str:
         """The release kind of the learning rate the run logs, from the settings
-        (:func:`~dpfl_lightning.releases.learning_rate_kind`)."""
+        (:func:`~dpfl_lightning.federated.releases.learning_rate_kind`)."""
         return learning_rate_kind(any(c.interval == "step" for c in self.reference().scheds), self.steps_public)
 
     # ------------------------------------------------------------------ run-level hooks
@@ -426,7 +426,7 @@ class LightningRun:
     def _take_round_ends(self, round_idx: int) -> None:
         """Where the round's clients all ended their local training in the same optimizer state that
         the schedule alone does not give, the next round's clients continue from it (one Lightning
-        run's position; see :mod:`dpfl_lightning.schedule`); not in a DP run, which says nothing here:
+        run's position; see :mod:`dpfl_lightning.module.schedule`); not in a DP run, which says nothing here:
         whether a client ended off the schedule depends on its data (:meth:`check` said at set-up, from
         the module's code, that clients start on the schedule). Otherwise the run says, once, what
         differs from lightning.Trainer."""
@@ -484,7 +484,7 @@ class LightningRun:
         """Every Lightning callback's ``state_dict`` by ``state_key``, for the run's checkpoint
         (``ModelCheckpoint``'s best models, ``EarlyStopping``'s patience count)."""
         states = {cb.state_key: cb.state_dict() for cb in self.callbacks}
-        # and where the clients' optimizers stand (dpfl_lightning.schedule), under a key no callback has
+        # and where the clients' optimizers stand (dpfl_lightning.module.schedule), under a key no callback has
         states[_SCHEDULE_KEY] = self.module.schedule_state()
         return states
 
@@ -520,7 +520,7 @@ class LightningRun:
         """What a Lightning checkpoint of the global model holds (``state_dict``, hyperparameters,
         ``epoch``, ``global_step``, Lightning's version), for the run's own checkpoints: with them
         ``MyModule.load_from_checkpoint("last.ckpt")`` loads the global model of that round too."""
-        from dpfl_lightning.export import lightning_checkpoint
+        from dpfl_lightning.run.lightning_export import lightning_checkpoint
 
         module = self.module
         module.load_global()

@@ -87,7 +87,7 @@ class SignalWatch:
         self._previous: dict[int, Any] = {}
 
     def watch(self, display: Any) -> None:
-        """The run's live console display (:class:`~dpfl_lightning.loggers.RoundProgress`): a notice
+        """The run's live console display (:class:`~dpfl_lightning.tracking.loggers.RoundProgress`): a notice
         goes above it (``display.notice(text)``, ``False`` when it is not live) and it is stopped
         (``display.close()``) once a stop is agreed, before the run prints how to resume."""
         self.display = display

@@ -21,7 +21,7 @@ from typing import Any
 import lightning
 import torch
 
-from dpfl_lightning.checkpoint import save_atomic
+from dpfl_lightning.run.checkpoint_format import save_atomic
 
 
 def lightning_checkpoint(model: torch.nn.Module, epoch: int, global_step: int, datamodule: Any = None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ delta ``dc`` (``d``) or FedEXP's squared norm ``norm_sq`` (1). Plugins read and 
 segments by name (``client.payload["dc"]``); after the all-reduce the server reads the sums by the
 same names (``server.aggregate["dc"]``).
 
-Frozen parameters are not part of the update (:mod:`dpfl_lightning.frozen`): in a round whose plan
+Frozen parameters are not part of the update (:mod:`dpfl_lightning.federated.frozen`): in a round whose plan
 marks some parameters frozen (``RoundPlan.trainable``), a client's ``update`` segment holds only
 the ``d_t`` trainable entries, in the order of the flat parameters, and only those are bounded,
 noised and sent (for a LoRA adapter on a frozen base, the adapter's entries). The server reads the

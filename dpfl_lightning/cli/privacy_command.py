@@ -18,7 +18,7 @@ from dpfl_lightning.privacy.theory import scaffnew_optimal
 
 if TYPE_CHECKING:
     from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
-    from dpfl_lightning.sampling import ClientSampler
+    from dpfl_lightning.federated.sampling import ClientSampler
 
 # `calibrate`, `plan` and `theory` import no torch or Lightning (seconds of start-up on a loaded
 # machine); `epsilon` builds the configured trainer, data and model, and imports them where it does.
@@ -59,7 +59,7 @@ def _print_epsilon(trainer: Any, ledger: PrivacyLedger) -> None:
 
 
 def _sampler(cfg: Any) -> ClientSampler:
-    from dpfl_lightning.sampling import ClientSampler
+    from dpfl_lightning.federated.sampling import ClientSampler
 
     kind = cfg.sampling or ("uniform" if cfg.clients_per_round else "poisson" if cfg.sampling_rate else "full")
     return ClientSampler(kind, cfg.clients, cfg.clients_per_round, cfg.sampling_rate)
@@ -135,7 +135,7 @@ def _plan_paper001(cfg: Any) -> None:
 def run(parser: Any, cfg: Any) -> None:
     pcfg = cfg.privacy
     if pcfg.privacy_command == "epsilon":
-        from dpfl_lightning.cli_config import federated_data
+        from dpfl_lightning.cli.run_objects import federated_data
 
         sub = pcfg.epsilon
         init = parser.instantiate_classes(cfg).privacy.epsilon

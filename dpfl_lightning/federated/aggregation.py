@@ -32,7 +32,7 @@ import torch
 from dpfl_lightning.comm import Communicator
 from dpfl_lightning.comm.exact_sum import ExactSum, grid_exponent
 from dpfl_lightning.errors import NonFiniteUpdateError, require
-from dpfl_lightning.payload import UPDATE, PayloadLayout
+from dpfl_lightning.federated.payload import UPDATE, PayloadLayout
 
 HEADROOM_BITS = 8
 STAGE_BYTES = 16 << 20  # rows staged before a fold: a few clients at once, at most 16 MiB

@@ -1,6 +1,6 @@
 """``lightning.Trainer`` arguments a user may give :class:`~dpfl_lightning.FederatedTrainer`, and what
 the federated trainer calls them: one table, read by the command line (``--trainer.max_epochs``,
-:mod:`dpfl_lightning.cli_errors`) and by ``FederatedTrainer(max_epochs=...)`` in Python, which both
+:mod:`dpfl_lightning.cli.parse_errors`) and by ``FederatedTrainer(max_epochs=...)`` in Python, which both
 refuse the argument with its counterpart instead of a bare ``TypeError``."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LIGHTNING_TRAINER_OPTIONS = {
     "sync_batchnorm": "BatchNorm statistics are never aggregated (each client starts from the initial buffers); "
                       "use GroupNorm or LayerNorm",
     "use_distributed_sampler": "the clients are split among the ranks; no sampler to set",
-    "logger": "set trainer.loggers (a list, e.g. dpfl_lightning.loggers.WandbLogger); the CSV log is always written",
+    "logger": "set trainer.loggers (a list, e.g. dpfl_lightning.tracking.loggers.WandbLogger); the CSV log is always written",
     "default_root_dir": "set trainer.log_dir",
     "enable_model_summary": "set trainer.enable_summary",
     "check_val_every_n_epoch": "set trainer.eval_every (in rounds)",

@@ -1,7 +1,7 @@
 """The run's checkpoints: what one holds (the global model, the plugins' and callbacks' states, the
 per-client states by id, the released history, the configuration), written atomically on rank 0 with
 ``last.ckpt`` pointing at the newest; restoring one; stopping on a signal with one; which
-``version_N`` of the run a fit writes and where its checkpoints go (the layout: :mod:`dpfl_lightning.run_files`)."""
+``version_N`` of the run a fit writes and where its checkpoints go (the layout: :mod:`dpfl_lightning.tracking.run_files`)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import os
 import sys
 from typing import Any, Callable
 
-from dpfl_lightning import checkpoint as ckpt
-from dpfl_lightning import run_files
+from dpfl_lightning.run import checkpoint_format as ckpt
+from dpfl_lightning.tracking import run_files
 from dpfl_lightning.comm import Communicator
 from dpfl_lightning.errors import ConfigError, drain_output, require
-from dpfl_lightning.export import save_lightning_checkpoint
-from dpfl_lightning.loggers import latest_version
-from dpfl_lightning.preemption import Preempted, resume_hint
+from dpfl_lightning.run.lightning_export import save_lightning_checkpoint
+from dpfl_lightning.tracking.loggers import latest_version
+from dpfl_lightning.run.preemption import Preempted, resume_hint
 from dpfl_lightning.run.client_states import ClientStates
 from dpfl_lightning.run.setup import collect_mechanisms
 from dpfl_lightning.run.status import RunStatus
-from dpfl_lightning.settings import TrainerSettings
+from dpfl_lightning.run.settings import TrainerSettings
 
 
 def checkpoint_to_resume(ckpt_path: str | None, settings: TrainerSettings, comm: Communicator) -> str | None:

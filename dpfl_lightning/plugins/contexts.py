@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from dpfl_lightning.payload import Aggregate
-from dpfl_lightning.plan import RoundPlan
+from dpfl_lightning.federated.payload import Aggregate
+from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.rng import RandomSource
 
 if TYPE_CHECKING:
     from dpfl_lightning.data.module import FederatedDataModule
     from dpfl_lightning.module import FederatedLightningModule
     from dpfl_lightning.privacy.planning import PrivacyPlanner
-    from dpfl_lightning.sampling import ClientSampler
+    from dpfl_lightning.federated.sampling import ClientSampler
 
 
 @dataclass

@@ -223,7 +223,7 @@ class RoundTrainer:
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(f"a callback read trainer.{name}, which a federated run does not provide (callbacks run "
-                             "at the round level; see dpfl_lightning.callbacks)")
+                             "at the round level; see dpfl_lightning.lightning.callbacks)")
 
     # ------------------------------------------------------------------ the run
     @property

@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 
 from dpfl_lightning.comm import Communicator
-from dpfl_lightning.logged_metrics import merge
-from dpfl_lightning.releases import MetricKinds
+from dpfl_lightning.module.logged_metrics import merge
+from dpfl_lightning.federated.releases import MetricKinds
 from dpfl_lightning.run.hooks import HookTable
 
 

@@ -154,7 +154,7 @@ class TrainerSettings:
                                            or getattr(algorithm, "normalize_update_by_lr", False))
         s["run_name"] = s["run_name"] or (getattr(algorithm, "name", None) or "dpfl")
         # checkpoint_dir stays None unless set: each fit then writes <log_dir>/<run_name>/version_N/checkpoints,
-        # N known once the fit starts (dpfl_lightning.run.checkpoints.open_version)
+        # N known once the fit starts (dpfl_lightning.run.checkpointing.open_version)
         return cls(**{f.name: s[f.name] for f in dataclasses.fields(cls)})
 
     @classmethod

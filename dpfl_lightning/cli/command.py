@@ -21,18 +21,18 @@ overrides such as ``--trainer.rounds 10`` or ``--model.init_args.lr 0.05`` apply
 Every fit saves ``config.yaml`` next to its ``metrics.csv``: ``dpfl fit --config`` that file reruns
 the run exactly. ``dpfl validate | test | predict --ckpt_path RUN`` evaluates a trained run (a run
 directory, or a checkpoint with ``--config``) under ``lightning.Trainer``, see
-:mod:`dpfl_lightning.evaluation`. Bad input ends with one line naming the setting, what is wrong
-and the fix (the closest valid option or class), and exit status 2 (:mod:`dpfl_lightning.cli_errors`).
+:mod:`dpfl_lightning.run.lightning_eval`. Bad input ends with one line naming the setting, what is wrong
+and the fix (the closest valid option or class), and exit status 2 (:mod:`dpfl_lightning.cli.parse_errors`).
 
 Start-up: ``main`` builds only the parser of the subcommand named (the parsers of ``fit``,
 ``validate``, ``test``, ``predict``, ``audit`` and ``privacy epsilon`` come from signatures and
 import torch and Lightning); ``dpfl --version``, every ``dpfl SUB --help`` (from
-:mod:`dpfl_lightning.cli_help`) and ``dpfl privacy calibrate | plan | theory`` import neither.
+:mod:`dpfl_lightning.cli.help`) and ``dpfl privacy calibrate | plan | theory`` import neither.
 
 Other subcommands: ``dpfl privacy ...`` (accounting without training), ``dpfl sweep SWEEP.yaml``
-(every configuration of a W&B-format sweep file as its own run, see :mod:`dpfl_lightning.sweep`)
+(every configuration of a W&B-format sweep file as its own run, see :mod:`dpfl_lightning.tracking.sweep`)
 and ``dpfl report RUNS_DIR`` (plots and tables from the runs' CSV logs, see
-:mod:`dpfl_lightning.reporting`).
+:mod:`dpfl_lightning.tracking.report`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from dpfl_lightning import errors
-from dpfl_lightning.cli_config import expect_model_labels, federated_data, run_config_text, seed_model
-from dpfl_lightning.cli_parsers import build_parser, command_of, fit_parser, parse_error_line
+from dpfl_lightning.cli.run_objects import expect_model_labels, federated_data, run_config_text, seed_model
+from dpfl_lightning.cli.parsers import build_parser, command_of, fit_parser, parse_error_line
 from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
 
 __all__ = ["build_parser", "expect_model_labels", "federated_data", "fit_parser", "main", "parse", "run_config_text",
@@ -64,7 +64,7 @@ def _save_run_config(trainer: Any, text: str) -> None:
     run_dir = getattr(trainer, "csv_log_dir", None)
     if not run_dir or not os.path.isdir(run_dir):
         return
-    from dpfl_lightning.evaluation import CONFIG_FILE
+    from dpfl_lightning.run.lightning_eval import CONFIG_FILE
 
     path = os.path.join(run_dir, CONFIG_FILE)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -75,14 +75,14 @@ def _save_run_config(trainer: Any, text: str) -> None:
 
 def _sweep_logger(trainer: Any) -> None:
     """Under ``wandb agent`` (``WANDB_SWEEP_ID`` set) a run logs to W&B, or the sweep never sees its
-    metric: add a :class:`~dpfl_lightning.loggers.WandbLogger` when the configuration has none."""
+    metric: add a :class:`~dpfl_lightning.tracking.loggers.WandbLogger` when the configuration has none."""
     if not os.environ.get("WANDB_SWEEP_ID"):
         return
     from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 
     if any(isinstance(lg, LightningWandbLogger) for lg in trainer.extra_loggers):
         return
-    from dpfl_lightning.loggers import WandbLogger
+    from dpfl_lightning.tracking.loggers import WandbLogger
 
     trainer.extra_loggers.append(WandbLogger(mode="auto"))
     if _world()[0] == 0:
@@ -116,7 +116,7 @@ def run_fit(parser: ArgumentParser, cfg: Any) -> Any:
 
 def run_stage(parser: ArgumentParser, cfg: Any, stage: str) -> Any:
     """``dpfl validate | test | predict``: the trained run's global model under lightning.Trainer."""
-    from dpfl_lightning import evaluation
+    from dpfl_lightning.run import lightning_eval as evaluation
 
     section = getattr(cfg, stage)
     seed_model(section)
@@ -180,7 +180,7 @@ def parse(parser: ArgumentParser, argv: list[str] | None = None) -> Any:
     try:
         args = argv
         if argv and argv[0] in ("validate", "test", "predict"):  # a run directory as --ckpt_path
-            from dpfl_lightning import evaluation
+            from dpfl_lightning.run import lightning_eval as evaluation
 
             args = evaluation.rewrite_arguments(argv)
         return parser.parse_args(args)
@@ -198,14 +198,14 @@ def _asks_help(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> None:
     """``dpfl ...``: parse the command line (building only the parser of the subcommand it names)
     and run the subcommand. ``--help`` of a subcommand whose parser is built from signatures is
-    printed from :mod:`dpfl_lightning.cli_help`, without importing torch or Lightning."""
+    printed from :mod:`dpfl_lightning.cli.help`, without importing torch or Lightning."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command_of(argv)
     if _asks_help(argv):
         if argv[0] in ("-h", "--help"):
             build_parser(light=True).print_help()  # the subcommands' list, in a fraction of a second
             return
-        from dpfl_lightning import cli_help
+        from dpfl_lightning.cli import help as cli_help
 
         if cli_help.print_help(command):
             return
@@ -217,21 +217,21 @@ def main(argv: list[str] | None = None) -> None:
         elif cfg.command in ("validate", "test", "predict"):
             run_stage(parser, cfg, cfg.command)
         elif cfg.command == "privacy":
-            from dpfl_lightning import privacy_cli
+            from dpfl_lightning.cli import privacy_command as privacy_cli
 
             privacy_cli.run(parser, cfg)
         elif cfg.command == "sweep":
-            from dpfl_lightning import sweep
+            from dpfl_lightning.tracking import sweep
 
             code = sweep.run_from_cli(cfg.sweep)
             if code:
                 sys.exit(code)
         elif cfg.command == "report":
-            from dpfl_lightning import reporting
+            from dpfl_lightning.tracking import report as reporting
 
             reporting.run_from_cli(cfg.report)
         elif cfg.command == "audit":
-            from dpfl_lightning import audit_cli
+            from dpfl_lightning.cli import audit_command as audit_cli
 
             code = audit_cli.run(parser, cfg)
             if code:

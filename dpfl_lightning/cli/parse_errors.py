@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from dpfl_lightning.lightning_options import LIGHTNING_TRAINER_OPTIONS  # one table: the CLI and FederatedTrainer(...)
+from dpfl_lightning.lightning.trainer_options import LIGHTNING_TRAINER_OPTIONS  # one table: the CLI and FederatedTrainer(...)
 
 #: the base classes a setting takes, for "did you mean" among the classes known to this process
 _BASES = {
@@ -39,7 +39,7 @@ _HOMES = {
     "data": "dpfl_lightning.data",
     "trainer.algorithm": "dpfl_lightning.algorithms",
     "trainer.plugins": "dpfl_lightning.plugins",
-    "trainer.loggers": "dpfl_lightning.loggers",
+    "trainer.loggers": "dpfl_lightning.tracking.loggers",
 }
 
 #: what a setting's values are called in a message

@@ -34,7 +34,7 @@ from typing import Any
 
 from jsonargparse import ArgumentParser
 
-from dpfl_lightning.cli_config import expect_model_labels, federated_data
+from dpfl_lightning.cli.run_objects import expect_model_labels, federated_data
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.canary import NOISE_CHECKS, THREAT_MODELS, CanaryClients
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
@@ -42,7 +42,7 @@ from dpfl_lightning.privacy.accountants import epsilon
 from dpfl_lightning.privacy.audit import gaussian_fit_lower_bound, many_run_lower_bound
 from dpfl_lightning.privacy.audit_bounds import (Guesses, curve_refutable, curve_rejected, gdp_ceiling,
                                                   many_run_ceiling, profile_tradeoff, propose_settings)
-from dpfl_lightning.sampling import ClientSampler
+from dpfl_lightning.federated.sampling import ClientSampler
 
 
 def _build(parser: ArgumentParser, cfg: Any, **trainer_settings: Any):
@@ -146,7 +146,7 @@ def _plan(trainer: Any, model: Any, data: Any, m: int, confidence: float) -> tup
     """Before training: :data:`EXIT_CANNOT_DETECT` when no bound of ``m`` canaries can exceed the
     planned ledger (said here; the run still trains for the noise check), else None; and the
     confidence of each test."""
-    from dpfl_lightning.privacy_cli import plan_run
+    from dpfl_lightning.cli.privacy_command import plan_run
 
     ledger = plan_run(trainer, data, model=model)
     _refuse_record_level(ledger)
@@ -267,7 +267,7 @@ def _many_runs(parser: ArgumentParser, cfg: Any) -> int:
     a = cfg.audit
     require(a.trials >= 4, "--trials", a.trials, "the many-run bound needs at least 4 runs per world",
             "set --trials 4 or more")
-    from dpfl_lightning.privacy_cli import plan_run
+    from dpfl_lightning.cli.privacy_command import plan_run
 
     trainer, model, data = _build(parser, cfg)
     ledger = plan_run(trainer, data, model=model)

@@ -28,7 +28,7 @@ import lightning
 import torch
 import yaml
 
-from dpfl_lightning import run_files
+from dpfl_lightning.tracking import run_files
 from dpfl_lightning.errors import ConfigError, require
 
 CONFIG_FILE = "config.yaml"
@@ -290,7 +290,7 @@ def run_lightning_stage(stage: str, model: Any, *, datamodule: Any = None, datal
     if isinstance(dataloaders, FederatedDataModule) and datamodule is None:
         dataloaders, datamodule = None, dataloaders
     if privacy and announce:
-        from dpfl_lightning.loggers import print_privacy_lines
+        from dpfl_lightning.tracking.loggers import print_privacy_lines
 
         given = datamodule if datamodule is not None else dataloaders
         print_privacy_lines(stage_privacy_lines(stage, privacy, given))
@@ -310,7 +310,7 @@ def run_lightning_stage(stage: str, model: Any, *, datamodule: Any = None, datal
 def save_predictions(predictions: Any, ckpt_path: str, out: str | None) -> str:
     """Write the predictions (``torch.save``) to ``out``, default ``predictions.pt`` beside the checkpoint."""
     path = out or os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), "predictions.pt")
-    from dpfl_lightning.checkpoint import save_atomic
+    from dpfl_lightning.run.checkpoint_format import save_atomic
 
     save_atomic(predictions, path)
     return path

@@ -40,7 +40,7 @@ W&B's default ``${env} ${interpreter} ${program} ${args}``.
 
 Under ``wandb sweep`` + ``wandb agent`` the agent runs the same command (``${interpreter}`` is
 ``python``) with ``WANDB_SWEEP_ID``, ``WANDB_RUN_ID`` and ``WANDB_SWEEP_PARAM_PATH`` set; the run's
-:class:`~dpfl_lightning.loggers.WandbLogger` then joins the agent's W&B run, which is where the
+:class:`~dpfl_lightning.tracking.loggers.WandbLogger` then joins the agent's W&B run, which is where the
 sweep reads its ``metric`` (the last logged value). The shipped base configurations have one
 (``dpfl fit`` adds one under an agent when a configuration has none).
 
@@ -78,8 +78,8 @@ from typing import Any
 import yaml
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.run_files import final_metric, is_private_run, short_keys
-from dpfl_lightning.placement import available_cpus
+from dpfl_lightning.tracking.run_files import final_metric, is_private_run, short_keys
+from dpfl_lightning.federated.placement import available_cpus
 
 METHODS = ("grid", "random")
 DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "q_uniform", "log_uniform", "log_uniform_values",

@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.run_files import read_metrics, short_keys
+from dpfl_lightning.tracking.run_files import read_metrics, short_keys
 
 #: default metric: the first of these that any run logged (else every metric)
 PREFERRED = ("test_acc", "val_acc", "test_accuracy", "val_accuracy", "accuracy", "acc", "test_loss", "val_loss",

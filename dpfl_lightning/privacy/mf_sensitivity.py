@@ -87,7 +87,7 @@ def sensitivity_details(C, min_sep: int, max_participations: int | None = None) 
     intervals = _intervals(C)
     if intervals is not None:
         return Sensitivity(math.sqrt(_interval_dp(intervals, T, b, k)), True, "intervals")
-    if _count_sets(T, b, k) <= _ENUMERATION_LIMIT:
+    if T <= 64 and _count_sets(T, b, k) <= _ENUMERATION_LIMIT:
         return Sensitivity(math.sqrt(_enumerate(M, b, k)), True, "enumeration")
     return Sensitivity(math.sqrt(_upper_bound(M, b, k)), False, "upper-bound")
 
@@ -130,30 +130,33 @@ def _monotone(M: np.ndarray, tol: float) -> bool:
 
 def _best_separable(w: np.ndarray, b: int, k: int) -> float:
     """max sum_{i in S} w_i over sets with separation >= b and |S| <= k."""
-    return float(_separable_suffix(w[None, :], b, k)[0, 0, k])
+    return float(_separable_at(w[None, :], b, k, np.zeros(1, dtype=int))[0, k])
 
 
-def _separable_suffix(W: np.ndarray, b: int, k: int) -> np.ndarray:
-    """best[r, t, j]: max of sum W[r, S] over S within [t, T), separation >= b, |S| <= j (rows vectorised)."""
+def _separable_at(W: np.ndarray, b: int, k: int, at: np.ndarray) -> np.ndarray:
+    """out[r, j]: max of sum W[r, S] over S within [at[r], T), separation >= b, |S| <= j (rows
+    vectorised; a ring of the last b + 1 positions keeps the memory at O(rows * b * k))."""
     R, T = W.shape
-    best = np.zeros((R, T + b + 1, k + 1))
+    out = np.zeros((R, k + 1))
+    ring = np.zeros((b + 1, R, k + 1))  # ring[t % (b + 1)]: the table for sets within [t, T)
     for t in range(T - 1, -1, -1):
-        take = W[:, t, None] + best[:, t + b, :-1]
-        best[:, t, 1:] = np.maximum(best[:, t + 1, 1:], take)
-    return best
+        nxt, far = ring[(t + 1) % (b + 1)], ring[(t + b) % (b + 1)]
+        cur = nxt.copy()
+        cur[:, 1:] = np.maximum(nxt[:, 1:], W[:, t, None] + far[:, :-1])
+        ring[t % (b + 1)] = cur
+        rows = np.flatnonzero(at == t)
+        out[rows] = cur[rows]
+    return out
 
 
 def _upper_bound(M: np.ndarray, b: int, k: int) -> float:
     """sum_{i in S} sum_{j in S} M_ij <= sum_{i in S} R_i with R_i the best row sum over allowed sets
     containing i (M >= 0 here, |M| for signed M); then the best allowed set for the weights R."""
     T = M.shape[0]
-    suffix = _separable_suffix(M, b, k)  # sets within [t, T)
-    prefix = _separable_suffix(M[:, ::-1].copy(), b, k)  # sets within [0, T - t) mirrored
-    R = np.empty(T)
-    for i in range(T):
-        after = suffix[i, min(i + b, T), : k]  # at most k - 1 more after i
-        before = prefix[i, min(T - i - 1 + b, T), : k]  # mirrored: rounds <= i - b
-        R[i] = M[i, i] + max(before[j] + after[k - 1 - j] for j in range(k))
+    i = np.arange(T)
+    after = _separable_at(M, b, k, np.minimum(i + b, T))[:, :k]  # rounds >= i + b, at most k - 1
+    before = _separable_at(M[:, ::-1].copy(), b, k, np.minimum(T - 1 - i + b, T))[:, :k]  # rounds <= i - b
+    R = np.diag(M) + (before + after[:, ::-1]).max(axis=1)
     return _best_separable(R, b, k)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from dpfl_lightning.privacy.mf_sensitivity import Sensitivity, sensitivity_details
 
-__all__ = ["Workload", "prefix_sum", "momentum", "Strategy", "independent", "tree", "toeplitz",
+__all__ = ["Workload", "prefix_sum", "momentum", "Strategy", "independent", "tree", "tree_variances", "toeplitz",
            "toeplitz_inverse_coeffs", "convolve", "total_squared_error", "final_variance"]
 
 F64 = torch.float64

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 import dp_accounting
 import numpy as np
@@ -77,12 +78,15 @@ class Release:
     relation: str = "add_remove"
     population: int | None = None
     sample_size: int | None = None
+    #: a correlated-noise stream (:class:`~dpfl_lightning.privacy.mechanisms.Stream`): ``events`` are then
+    #: the other mechanisms of each participation, and :func:`epsilon` composes the stream's own event
+    stream: Any = None
 
     def __post_init__(self) -> None:
         require(self.sampling in SAMPLINGS, "privacy.sampling", self.sampling, "unknown sampling", f"use one of {SAMPLINGS}")
         require(self.relation in RELATIONS, "privacy.relation", self.relation, "unknown neighbouring relation",
                 f"use one of {tuple(RELATIONS)}")
-        require(len(self.events) >= 1, "privacy.events", self.events, "a release needs at least one event",
+        require(len(self.events) >= 1 or self.stream is not None, "privacy.events", self.events, "a release needs at least one event",
                 "declare the mechanism's event")
         z = self.noise_multiplier
         require(z is None or z >= 0, "noise_multiplier", z, "must be >= 0", "use z >= 0")
@@ -99,7 +103,7 @@ class Release:
     @property
     def noise_multiplier(self) -> float | None:
         """The equivalent Gaussian's multiplier when every event is Gaussian, else ``None``."""
-        return _effective_gaussian(self.events)
+        return None if self.stream is not None else _effective_gaussian(self.events)
 
     @property
     def gaussian(self) -> bool:
@@ -341,6 +345,8 @@ def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
     acc = create_accountant(accountant)
     require(isinstance(steps, (int, np.integer)) and not isinstance(steps, bool) and steps >= 0, "steps", steps,
             "must be a whole number of compositions >= 0", "count compositions (rounds, local steps) as integers")
+    if release.stream is not None:
+        return stream_epsilon(release, int(steps), delta, acc.name, pld_discretization)
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:
         return Epsilon(math.inf, acc.name, "no noise")
     note = _unamplified(release)[1]
@@ -360,6 +366,60 @@ def _epsilon(acc: Accountant, release: Release, steps: int, delta: float, pld_di
     if unsupported is not None:
         return Epsilon(_rdp_epsilon(release, steps, delta), "rdp", unsupported)
     return acc.epsilon(release, steps, delta, pld_discretization, note)
+
+
+def stream_events(release: Release, rounds: int) -> list[tuple[dp_accounting.DpEvent, NeighboringRelation]]:
+    """The ``dp_accounting`` events of ``rounds`` rounds of a correlated-noise release: the stream's,
+    and the other mechanisms of the guarantee once per participation (``ceil(rounds / min_sep)``: a
+    client's data enters them in its group's rounds only), each with the relation it is defined in
+    (a tree's event is ``REPLACE_SPECIAL``: one client's updates replaced by zeros, sensitivity ``C``,
+    which is add/remove for a sum). Per-participation streams merge the others into each participation's
+    Gaussian, so that amplification (Poisson inside the group) covers them too."""
+    s, add = release.stream, NeighboringRelation.ADD_OR_REMOVE_ONE
+    k = s.participations(rounds)
+    if rounds == 0 or k == 0:
+        return []
+    others = _effective_gaussian(release.events) if release.events else None
+    if release.events and others is None:
+        raise ValueError("a correlated-noise stream composes with Gaussian mechanisms only")
+    if s.kind == "participations":
+        z = s.noise_multiplier if others is None else _effective_gaussian(
+            (dp_accounting.GaussianDpEvent(s.noise_multiplier), dp_accounting.GaussianDpEvent(others)))
+        one = dp_accounting.GaussianDpEvent(z)
+        if s.rate < 1:
+            one = dp_accounting.PoissonSampledDpEvent(s.rate, one)
+        return [(dp_accounting.SelfComposedDpEvent(one, k), add)]
+    out = [(s.event(rounds), NeighboringRelation.REPLACE_SPECIAL if s.kind == "tree" else add)]
+    if others is not None:
+        out.append((dp_accounting.GaussianDpEvent(others / math.sqrt(k)), add))
+    return out
+
+
+def stream_epsilon(release: Release, rounds: int, delta: float, accountant: str = "rdp",
+                   pld_discretization: float = PLD_DISCRETIZATION) -> Epsilon:
+    """Epsilon after ``rounds`` rounds of a correlated-noise release (:func:`stream_events`): RDP
+    curves summed over the events (``dp_accounting.rdp``), or ``dp_accounting.pld`` where every event
+    is Gaussian or Poisson-sampled Gaussian; a tree's event and the ``prv`` accountant are given
+    RDP's bound, with the reason."""
+    events = stream_events(release, rounds)
+    if not events:
+        return Epsilon(0.0, accountant)
+    tree = any(rel == NeighboringRelation.REPLACE_SPECIAL for _, rel in events)
+    if accountant == "pld" and not tree:
+        acc = dp_pld.PLDAccountant(value_discretization_interval=pld_discretization)
+        for event, _ in events:
+            acc.compose(event)
+        return Epsilon(float(acc.get_epsilon(delta)), "pld")
+    note = "" if accountant == "rdp" else (
+        f"{accountant} does not account a tree aggregation event: RDP upper bound" if tree else
+        f"{accountant} does not account correlated-noise streams: RDP upper bound")
+    total = np.zeros(len(DEFAULT_RDP_ORDERS))
+    for event, relation in events:
+        acc = dp_rdp.RdpAccountant(neighboring_relation=relation)
+        acc.compose(event)
+        total = total + np.array(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the curve, to sum across relations
+    eps, _ = compute_epsilon(DEFAULT_RDP_ORDERS, total, delta)
+    return Epsilon(float(eps), "rdp", note)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import dp_accounting
 from dpfl_lightning.errors import require
 
 GRANULARITIES = ("client", "record")
+STREAM_KINDS = ("gaussian", "participations", "tree")
 PLACEMENTS = ("local", "central", "distributed")
 
 
@@ -43,6 +44,59 @@ class RecordProfile:
     rate: float
     batch: int
     clients: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A correlated-noise (matrix-factorization) mechanism over one planned stream of ``rounds``
+    rounds, with participations at least ``min_sep`` rounds apart: what it has released about one
+    client after ``r`` rounds (:meth:`event`, unsampled, add/remove neighbours):
+
+    - ``gaussian``: the whole stream is one Gaussian mechanism of multiplier ``noise_multiplier``
+      (its sensitivity taken over every allowed participation pattern); a prefix is post-processing
+      of the whole release, so the full stream's event is returned from the first round (an upper
+      bound until the last);
+    - ``participations``: each participation is a Gaussian of multiplier ``noise_multiplier``,
+      orthogonal to the others (a ``b``-banded ``C`` with columns of norm <= 1 under min-separation
+      ``b``: Choquette-Choo et al., NeurIPS 2023, Thm 2), composed ``ceil(r / min_sep)`` times;
+      amplified by Poisson sampling at ``rate`` inside the round's group when ``rate < 1`` (ibid.,
+      Thm 4);
+    - ``tree``: ``dp_accounting.SingleEpochTreeAggregationDpEvent(noise_multiplier, step_counts)``
+      for one participation (Kairouz et al., ICML 2021, App. D), ``step_counts`` the rounds of each
+      restart done so far.
+    """
+
+    kind: str
+    noise_multiplier: float
+    rounds: int
+    min_sep: int
+    rate: float = 1.0
+    restart_every: int = 0  # tree: rounds between restarts
+    workload: str = "prefix"
+    strategy: str = ""
+
+    def __post_init__(self) -> None:
+        require(self.kind in STREAM_KINDS, "Stream.kind", self.kind, "unknown stream accounting", f"use {STREAM_KINDS}")
+        require(self.kind == "participations" or self.rate >= 1, "Stream.rate", self.rate,
+                "amplification by sampling is accounted for per-participation streams only", "use rate=1")
+
+    def participations(self, r: int) -> int:
+        """The most participations of one client in rounds ``0 .. r-1``."""
+        return -(-min(r, self.rounds) // self.min_sep)
+
+    def event(self, r: int) -> dp_accounting.DpEvent:
+        """What ``r`` rounds of the stream release (a Gaussian's multiplier: std / sensitivity)."""
+        if self.kind == "gaussian":
+            return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        if self.kind == "tree":
+            r = min(r, self.rounds)
+            size = self.restart_every or self.rounds
+            counts = [size] * (r // size) + ([r % size] if r % size else [])
+            return dp_accounting.SingleEpochTreeAggregationDpEvent(self.noise_multiplier, counts or [0])
+        one = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        if self.rate < 1:
+            one = dp_accounting.PoissonSampledDpEvent(self.rate, one)
+        return dp_accounting.SelfComposedDpEvent(one, self.participations(r))
 
 
 @dataclass(frozen=True)
@@ -63,6 +117,8 @@ class Mechanism:
     record_profiles: tuple[RecordProfile, ...] = ()
     record_sampling: str = "poisson"
     noise_multiplier: float | None = field(default=None, compare=False)
+    #: a correlated-noise mechanism: accounted over its stream of rounds, not round by round
+    stream: Stream | None = None
 
     def __post_init__(self) -> None:
         require(self.granularity in GRANULARITIES, "granularity", self.granularity, "unknown", f"use {GRANULARITIES}")
@@ -98,6 +154,14 @@ class Mechanism:
                    dp_accounting.GaussianDpEvent(std / replace), sensitivity, tuple(covers),
                    f"Gaussian noise std {std:.4g} on contributions of L2 norm <= {sensitivity:.4g} (multiplier {z:.4g})",
                    noise_multiplier=z)
+
+    @classmethod
+    def correlated(cls, source: str, stream: Stream, covers: tuple[str, ...], description: str) -> Mechanism:
+        """A matrix-factorization mechanism on the sum of contributions of L2 norm at most 1 (the
+        noise is scaled by the bound in force): its events are the stream's (:class:`Stream`)."""
+        event = dp_accounting.GaussianDpEvent(stream.noise_multiplier)
+        return cls(source, "client", "central", event, dp_accounting.GaussianDpEvent(stream.noise_multiplier / 2), 1.0,
+                   tuple(covers), description, noise_multiplier=stream.noise_multiplier, stream=stream)
 
     @classmethod
     def laplace(cls, source: str, scale: float, l1_sensitivity: float, placement: str, covers: tuple[str, ...],

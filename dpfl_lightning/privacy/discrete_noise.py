@@ -61,21 +61,38 @@ _LN2 = math.log(2.0)
 
 
 class WordSource:
-    """Uniform 53-bit integers from a :mod:`dpfl_lightning.rng` stream (see module docstring)."""
+    """Uniform 53-bit integers from a :mod:`dpfl_lightning.rng` stream (see module docstring).
+
+    Words are read from the stream in blocks of at least ``BLOCK`` and handed out in order, so the
+    stream is left further on than the words used: give a sampler a stream of its own."""
+
+    BLOCK = 1 << 14
 
     def __init__(self, stream: object) -> None:
         self.stream = stream
         if not hasattr(stream, "words") and getattr(stream, "generator", None) is None:
             raise TypeError(f"{type(stream).__name__} gives neither words() nor a torch generator")
+        self._buf = np.zeros(0, dtype=np.uint64)
+        self._pos = 0
+
+    def _read(self, n: int) -> np.ndarray:
+        if hasattr(self.stream, "words"):
+            return np.asarray(self.stream.words(n), dtype=np.uint64)
+        gen = getattr(self.stream, "cpu_generator", None) or self.stream.generator
+        return torch.randint(0, _TWO53, (n,), generator=gen, dtype=torch.int64).numpy().astype(np.uint64)
 
     def words(self, n: int) -> np.ndarray:
         """``n`` independent uniform integers in ``[0, 2^53)`` (uint64)."""
         if n <= 0:
             return np.zeros(0, dtype=np.uint64)
-        if hasattr(self.stream, "words"):
-            return np.asarray(self.stream.words(n), dtype=np.uint64)
-        gen = getattr(self.stream, "cpu_generator", None) or self.stream.generator
-        return torch.randint(0, _TWO53, (n,), generator=gen, dtype=torch.int64).numpy().astype(np.uint64)
+        left = self._buf.size - self._pos
+        if left < n:
+            fresh = self._read(max(n - left, self.BLOCK))
+            self._buf = np.concatenate([self._buf[self._pos :], fresh])
+            self._pos = 0
+        out = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return out
 
     def word(self) -> int:
         return int(self.words(1)[0])

@@ -206,12 +206,15 @@ def interleaved_ratios(data, workload: str, rounds: int, executor: str = "sequen
                        inline_sgd: bool = False) -> tuple[float, float, list[float]]:
     """Median seconds of the framework's rounds and of the hand loop's rounds run right after each,
     and every round's ratio (the first rounds and the last, which evaluates, left out)."""
-    loop = hand_loop(data, workload, 0, inline_sgd) if executor == "sequential" else hand_vmap_loop(data, workload, 0)
+    loop = hand_vmap_loop(data, workload, 0) if executor == "vmap" else hand_loop(data, workload, 0, inline_sgd)
     hand = Interleaved(loop)
     fw = framework_rounds(data, workload, rounds + 3, 0, executor, plugins=[hand])  # minus the last round
     own = [f - h for f, h in zip(fw, hand.times)][2:]  # a round's time includes the hand round after it
     ratios = [f / h for f, h in zip(own, hand.times[2:])]
     return statistics.median(own), statistics.median(hand.times[2:]), ratios
+
+
+CHOICES: dict[tuple[str, str], str] = {}  # (workload, executor) -> what trained the clients (auto's choice)
 
 
 def framework_rounds(data, workload: str, rounds: int, seed: int, executor: str = "sequential",
@@ -223,6 +226,7 @@ def framework_rounds(data, workload: str, rounds: int, seed: int, executor: str 
                                enable_summary=False, executor=executor, communicator=communicator,
                                num_threads=torch.get_num_threads())
     trainer.fit(Classifier(workload), data)
+    CHOICES[(workload, executor)] = getattr(trainer.executor, "choice", trainer.executor.name)
     return trainer.round_times[:-1]  # the last round also evaluates
 
 
@@ -282,7 +286,8 @@ def print_interleaved(data, workload: str, rounds: int) -> None:
     range: the middle half of the rounds' ratios): a drifting machine slows both alike."""
     names = {("sequential", False): "dpfl 1 rank : hand, interleaved",
              ("sequential", True): "dpfl 1 rank : hand inline SGD, intl.",
-             ("vmap", False): "dpfl vmap : hand vmap, interleaved"}
+             ("vmap", False): "dpfl vmap : hand vmap, interleaved",
+             ("auto", False): "dpfl auto : hand, interleaved"}
     for (executor, inline_sgd), name in names.items():
         try:
             fw, hand, ratios = interleaved_ratios(data, workload, rounds, executor, inline_sgd)
@@ -291,7 +296,7 @@ def print_interleaved(data, workload: str, rounds: int) -> None:
             continue
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         print(f"{workload:<9}{name:<34}{fw:>10.4f}{statistics.median(ratios):>13.3f}{q1:>8.3f}-{q3:.3f}"
-              f"   (hand {hand:.4f} s)")
+              f"   (hand {hand:.4f} s)" + (f"  auto chose: {CHOICES[(workload, 'auto')]}" if executor == "auto" else ""))
 
 
 def one_pass(data, workload: str, rounds: int, threads: int) -> dict[str, float]:

@@ -76,3 +76,57 @@ def test_auto_gives_the_sequential_executors_bits_on_the_shipped_configs_it_pick
     vmap = behaviour.fresh_run_config(key, ("--trainer.executor", "vmap"))
     assert auto["sha256"] == sequential["sha256"] == vmap["sha256"]  # vmap's own bits: auto did pick it
     assert auto["epsilon"] == sequential["epsilon"]
+
+
+class SkipsLater(TinyClassifier):
+    """Skips every batch from the second round on (returns None): vmap would refuse mid-run."""
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch >= 1:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+class BranchInAHelper(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        return self.shared_step(batch)
+
+    def shared_step(self, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        return loss * 0.5 if self.global_step > 3 else loss
+
+
+class StraightThroughHelper(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        return self.shared_step(batch)
+
+    def shared_step(self, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+def test_auto_trains_a_step_that_skips_later_sequentially_with_the_sequential_bits(log_dir):
+    # the planted case: the vmap executor accepts this module at set-up and refuses it in round 2
+    with pytest.raises(Exception, match="training_step returned None"):
+        quiet_trainer(log_dir, rounds=2, clients_per_round=3, executor="vmap").fit(SkipsLater(), tiny_data())
+    out, choice = {}, None
+    for ex in ("auto", "sequential"):
+        torch.manual_seed(0)
+        t = quiet_trainer(log_dir, rounds=2, clients_per_round=3, executor=ex)
+        out[ex] = t.fit(SkipsLater(), tiny_data()).global_params.clone()
+        choice = choice or t.executor.choice
+    assert choice.startswith("sequential (vmap cannot run: training_step has if (line "), choice
+    assert torch.equal(out["auto"], out["sequential"])
+
+
+def test_auto_reads_the_methods_training_step_calls(log_dir):
+    choice = _choice(log_dir, BranchInAHelper())
+    assert "shared_step has a conditional expression" in choice, choice
+    assert _choice(log_dir, StraightThroughHelper()) == "vmap"
+
+
+def test_auto_is_the_default_executor(log_dir):
+    t = quiet_trainer(log_dir, rounds=1, clients_per_round=3)
+    t.fit(TinyClassifier(), tiny_data())
+    assert t.settings.executor == "auto" and t.executor.choice == "vmap"

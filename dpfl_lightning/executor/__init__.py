@@ -1,5 +1,9 @@
 """Executors: how a rank trains its share of a round's cohort (sequentially or vectorised, or ``auto``:
-vectorised where that gives the sequential executor's bits)."""
+vectorised where that gives the sequential executor's bits).
+
+May import: ``plugins`` (the client context's type), ``data``, ``module``, ``federated``, the foundation.
+Only the run and the trainer import it; an executor never sees the trainer.
+"""
 
 from dpfl_lightning.executor.auto import AutoExecutor
 from dpfl_lightning.executor.base import ClientHooks, Executor, RoundWork, TrainedClient

@@ -18,13 +18,13 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.module import ClientRun
-from dpfl_lightning.plan import batch_shape
+from dpfl_lightning.federated.plan import batch_shape
 
 if TYPE_CHECKING:
-    from dpfl_lightning.contexts import ClientContext
+    from dpfl_lightning.plugins.contexts import ClientContext
     from dpfl_lightning.data.module import FederatedDataModule
     from dpfl_lightning.module import FederatedLightningModule
-    from dpfl_lightning.plan import RoundPlan
+    from dpfl_lightning.federated.plan import RoundPlan
 
 
 class ClientHooks(Protocol):
@@ -78,7 +78,7 @@ class RoundWork:
 
     def local_batches(self, client: int) -> tuple[int, int]:
         """``(batches this round, batches per local epoch)`` of ``client`` under the plan: where its
-        learning-rate schedule and ``global_step`` stand (see :mod:`dpfl_lightning.lightning_compat`)."""
+        learning-rate schedule and ``global_step`` stand (see :mod:`dpfl_lightning.lightning.semantics`)."""
         n = self.data.client_num_samples(client)
         return self.plan.steps_for(n), batch_shape(n, self.plan.batch_size)[1]
 

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from dpfl_lightning import optimizer_calls
+from dpfl_lightning.module import optimizer_calls
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.executor.base import Executor, RoundWork, TrainedClient
 from dpfl_lightning.module import ClientRun, is_overridden, parse_optimizers, step_loss
-from dpfl_lightning.plan import batch_shape
+from dpfl_lightning.federated.plan import batch_shape
 
 
 # Optimizers whose update is elementwise: running one on parameters stacked over clients is the
@@ -77,6 +77,15 @@ def _refusal(exc: Exception) -> ConfigError:
 def _buffer_refusal(names: list[str]) -> ConfigError:
     return ConfigError("trainer.executor", "vmap", f"training_step changes the buffers {names[:3]}, which the clients "
                        "of a vectorised chunk share", "use executor='sequential'")
+
+
+def _synthetic_batch(data, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """Two clients' batches of ``batch_size`` synthetic records with the data's shapes and types
+    (standard normal floats, zero integers: valid class labels and token ids), from a fixed seed."""
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(2, batch_size, *t.shape[1:], generator=generator, dtype=t.dtype)
+                 if t.is_floating_point() else torch.zeros(2, batch_size, *t.shape[1:], dtype=t.dtype)
+                 for t in data.in_memory_tensors)
 
 
 def _parameter_places(module: nn.Module) -> list[tuple[str, str]] | None:
@@ -192,10 +201,7 @@ class VmapExecutor(Executor):
 
     def _inexact(self, module, data, batch_size: int) -> str | None:
         """Why one vectorised step is not bit-equal to the unvectorised one (see :meth:`refusal`), or ``None``."""
-        generator = torch.Generator().manual_seed(0)
-        batch = tuple(torch.randn(2, batch_size, *t.shape[1:], generator=generator, dtype=t.dtype)
-                      if t.is_floating_point() else torch.zeros(2, batch_size, *t.shape[1:], dtype=t.dtype)
-                      for t in data.in_memory_tensors)
+        batch = _synthetic_batch(data, batch_size)
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
         one = torch.func.grad_and_value(self._loss, has_aux=True)
         try:
@@ -213,13 +219,13 @@ class VmapExecutor(Executor):
         return None
 
     def _trial(self, module, data) -> None:
-        """One vectorised step on two copies of a real batch, at set-up: what vmap cannot run
-        (dropout and other random ops, metric updates, data-dependent control flow) is refused now,
-        with the reason, instead of failing at the first step."""
+        """One vectorised step of two clients at set-up, on synthetic records of the data's shapes and
+        types (never a client's: the refusal is printed in a DP run): what vmap cannot run (dropout and
+        other random ops, metric updates, control flow on tensors' values) is refused now, with the
+        reason, instead of failing at the first step."""
         held = [(sub, attr, p) for sub in module.inner.modules() for attr, p in sub._parameters.items()]  # noqa: SLF001
         buffers = self._buffer_state()
-        idx = data.client_indices(0)[:2]
-        batch = tuple(torch.stack([t[idx], t[idx]]) for t in data.in_memory_tensors)
+        batch = _synthetic_batch(data, 2)
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
         try:
             self._fn(params, batch)  # in the modes the user gave the submodules, as training runs

@@ -132,7 +132,7 @@ class TrainerSettings:
     enable_summary: bool = True
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
-    executor: str = "sequential"
+    executor: str = "auto"
     log_client_metrics: bool | None = None
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str | None = None

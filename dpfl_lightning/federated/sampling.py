@@ -2,7 +2,18 @@
 
 - ``uniform``: ``m`` clients uniformly without replacement (fixed-size cohort);
 - ``poisson``: every client independently with probability ``q`` (random cohort size, mean ``qM``);
-- ``full``: all ``M`` clients every round (``q = 1``).
+- ``full``: all ``M`` clients every round (``q = 1``);
+- ``cyclic``: the population split by a keyed permutation into ``b = ceil(M / m)`` groups of at most
+  ``m = clients_per_round`` clients; group ``t mod b`` takes part in round ``t``. A client's
+  participations are ``b`` rounds apart, at most ``ceil(T / b)`` of ``T`` rounds, and no
+  amplification is claimed (the correlated-noise mechanisms account this pattern:
+  :class:`~dpfl_lightning.plugins.correlated_noise.CorrelatedNoise`);
+- ``amplified_cyclic``: the same groups, and every member of the round's group independently with
+  probability ``q = sampling_rate`` (Choquette-Choo et al., "(Amplified) Banded Matrix
+  Factorization", NeurIPS 2023: b-min-separation sampling).
+
+The cyclic groups are keyed by the seed alone (also in secure mode): the guarantee holds for any fixed
+partition, and a resumed run keeps the groups. The amplified variant's coins are secret in secure mode.
 
 Cohorts are drawn from the stream keyed by (seed, round, server, SAMPLING) -- the CSPRNG in secure
 mode -- in O(cohort) time and memory, so populations of millions cost nothing per round:
@@ -15,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +37,20 @@ from dpfl_lightning.privacy.guarantees import Sampling
 if TYPE_CHECKING:  # rng imports torch: drawn cohorts need it, `dpfl privacy calibrate`'s sampler does not
     from dpfl_lightning import rng
 
-SAMPLERS = ("uniform", "poisson", "full")
+SAMPLERS = ("uniform", "poisson", "full", "cyclic", "amplified_cyclic")
+CYCLIC = ("cyclic", "amplified_cyclic")
+_GROUPS_PURPOSE = "ClientSampler.cyclic_groups"
+
+
+@lru_cache(maxsize=8)
+def cyclic_groups(seed: int, num_clients: int, groups: int) -> tuple[np.ndarray, ...]:
+    """The ``groups`` groups (each sorted) of a keyed permutation of ``range(num_clients)``, of sizes
+    differing by at most one: a function of the seed only, the same on every rank."""
+    from dpfl_lightning import rng
+
+    purpose = rng.register_purpose(_GROUPS_PURPOSE, private=False)
+    perm = rng.TorchStream(rng.derive_key(seed, 0, rng.SERVER_CLIENT, purpose)).randperm(num_clients).numpy()
+    return tuple(np.sort(g) for g in np.array_split(perm, groups))
 
 
 def _distinct_uniform(stream: rng.Stream, population: int, k: int) -> np.ndarray:
@@ -67,6 +92,28 @@ class ClientSampler:
             q = self.rate
             require(q is not None and 0 < q <= 1, "trainer.sampling_rate", q, "the Poisson rate q must be in (0, 1]",
                     "set sampling_rate (or clients_per_round, giving q = clients_per_round / num_clients)")
+        if self.kind in CYCLIC:
+            m = self.clients_per_round
+            require(m is not None and 1 <= m <= self.num_clients, "trainer.clients_per_round", m,
+                    f"{self.kind} participation splits the {self.num_clients} clients into groups of at most "
+                    "clients_per_round", f"set clients_per_round in [1, {self.num_clients}]")
+        if self.kind == "amplified_cyclic":
+            q = self.rate
+            require(q is not None and 0 < q <= 1, "trainer.sampling_rate", q,
+                    "amplified_cyclic samples each member of the round's group with probability sampling_rate",
+                    "set sampling_rate in (0, 1]")
+        if self.kind == "cyclic":
+            require(self.rate is None, "trainer.sampling_rate", self.rate, "cyclic participation takes the whole group",
+                    "leave sampling_rate unset, or use sampling='amplified_cyclic'")
+
+    @property
+    def groups(self) -> int | None:
+        """``b``: the number of cyclic groups (the min-separation of participations); ``None`` otherwise."""
+        return -(-self.num_clients // self.clients_per_round) if self.kind in CYCLIC else None
+
+    def group(self, random: rng.RandomSource, round_idx: int) -> np.ndarray:
+        """The sorted ids of the cyclic group that takes part in round ``round_idx``."""
+        return cyclic_groups(random.seed, self.num_clients, self.groups)[round_idx % self.groups]
 
     @property
     def expected_cohort(self) -> float:
@@ -75,6 +122,8 @@ class ClientSampler:
             return float(self.clients_per_round)
         if self.kind == "poisson":
             return self.rate * self.num_clients
+        if self.kind in CYCLIC:  # the mean group size (a public constant)
+            return (1.0 if self.kind == "cyclic" else self.rate) * self.num_clients / self.groups
         return float(self.num_clients)
 
     @property
@@ -85,10 +134,14 @@ class ClientSampler:
     @property
     def cohort_size_is_public(self) -> bool:
         """Fixed-size cohorts reveal nothing by their size; a Poisson cohort's size is random."""
-        return self.kind != "poisson"
+        return self.kind not in ("poisson", "amplified_cyclic")
 
     def accounted(self) -> Sampling:
-        """What the privacy accountant is told about this sampler."""
+        """What the privacy accountant is told about this sampler (cyclic: no amplification across
+        groups; the correlated-noise mechanisms account the groups and the rate inside them)."""
+        if self.kind in CYCLIC:
+            return Sampling(self.kind, self.num_clients, 1.0 if self.kind == "cyclic" else self.rate,
+                            self.clients_per_round, self.groups)
         return Sampling(self.kind, self.num_clients, self.sampling_rate, self.clients_per_round)
 
     def sample(self, random: rng.RandomSource, round_idx: int) -> list[int]:
@@ -98,7 +151,12 @@ class ClientSampler:
             return list(range(M))
         from dpfl_lightning import rng
 
+        if self.kind == "cyclic":
+            return self.group(random, round_idx).tolist()
         stream = random.stream(round_idx, rng.SERVER_CLIENT, rng.SAMPLING)
+        if self.kind == "amplified_cyclic":
+            members = self.group(random, round_idx)
+            return members[stream.uniform(len(members)).numpy() < self.rate].tolist()
         if self.kind == "uniform":
             m = self.clients_per_round
             if m == M:

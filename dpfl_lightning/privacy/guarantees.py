@@ -67,6 +67,7 @@ class Sampling:
     num_clients: int
     rate: float  # Poisson rate, or m / M
     clients_per_round: int | None = None
+    groups: int | None = None  # cyclic participation: the number of groups (min-separation)
 
 
 def _record_release(mech: Mechanism, p: RecordProfile) -> Release:
@@ -84,6 +85,10 @@ def _record_release(mech: Mechanism, p: RecordProfile) -> Release:
 
 
 def _models_release(mechs: list[Mechanism], sampling: Sampling, relation: str | None = None) -> Release:
+    streams = [m.stream for m in mechs if m.stream is not None]
+    if streams:  # correlated noise: accounted over its stream (the sampler's groups are in the stream)
+        others = tuple(m.event("add_remove") for m in mechs if m.stream is None)
+        return Release(others, "none", 1.0, "add_remove", stream=streams[0])
     if any(m.add_remove is None for m in mechs) or \
             (relation == "replace_one" and (sampling.kind == "full" or sampling.rate >= 1)):
         # a local randomizer: replace-one, not amplified; or replace-one asked for (papers 000 and 002)

@@ -106,7 +106,7 @@ class RunSetup:
         size is not public) or the cohort size."""
         if self.weighting == "samples":
             return float(sums["weight"][0])
-        if self.sampler.kind == "poisson":
+        if not self.sampler.cohort_size_is_public:  # Poisson, amplified cyclic
             return self.sampler.expected_cohort
         return float(len(plan.cohort))
 

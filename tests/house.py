@@ -81,7 +81,7 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"errors", "rng", "problems", "federated", "module"},
     "plugins": {"errors", "rng", "lazy", "federated", "privacy", "module", "data"},
     "executor": {"errors", "rng", "federated", "module", "data", "plugins"},
-    "tracking": {"errors", "federated"},
+    "tracking": {"errors", "rng", "privacy", "federated"},
     "run": {"errors", "rng", "comm", "privacy", "federated", "module", "data", "plugins", "executor", "tracking"},
     "lightning": {"errors", "rng", "comm", "federated", "module", "data", "plugins", "run"},
     "algorithms": {"errors", "plugins"},

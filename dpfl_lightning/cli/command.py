@@ -221,15 +221,15 @@ def main(argv: list[str] | None = None) -> None:
 
             privacy_cli.run(parser, cfg)
         elif cfg.command == "sweep":
-            from dpfl_lightning.tracking import sweep
+            from dpfl_lightning.cli import sweep_command
 
-            code = sweep.run_from_cli(cfg.sweep)
+            code = sweep_command.run_sweep(cfg.sweep)
             if code:
                 sys.exit(code)
         elif cfg.command == "report":
-            from dpfl_lightning.tracking import report as reporting
+            from dpfl_lightning.cli import sweep_command
 
-            reporting.run_from_cli(cfg.report)
+            sweep_command.run_report(cfg.report)
         elif cfg.command == "audit":
             from dpfl_lightning.cli import audit_command as audit_cli
 

@@ -243,9 +243,18 @@ def add_privacy_subcommands(p: ArgumentParser, epsilon: bool = True) -> dict[str
                      help="cohorts unknown in advance: bound participations with a binomial tail (local/distributed)")
     sub.add_subcommand("calibrate", cal, help="noise multiplier for a target (epsilon, delta)")
     plan = DpflArgumentParser()
-    plan.add_argument("--epsilon", type=float, required=True)
+    plan.add_argument("--epsilon", type=float | None, default=None, help="the target (the rounds table)")
     plan.add_argument("--delta", type=float, required=True)
-    plan.add_argument("--noise", type=list[float], required=True, help="noise multipliers, e.g. [10,20,40,80]")
+    plan.add_argument("--noise", type=list[float] | None, default=None,
+                      help="noise multipliers, e.g. [10,20,40,80] (the rounds table)")
+    plan.add_argument("--selection", type=str | None, default=None,
+                      help="a dpfl fit config: instead of the rounds table, epsilon of the selected result of a "
+                           "private-selection sweep of that run against the mean number of trials")
+    plan.add_argument("--distribution", type=str, default="poisson",
+                      help="--selection: the distribution of the number of trials")
+    plan.add_argument("--shape", type=float | None, default=None, help="--selection: truncated_negative_binomial's")
+    plan.add_argument("--means", type=list[float], default=[1, 2, 4, 8, 16, 32],
+                      help="--selection: the mean numbers of trials shown")
     plan.add_argument("--local_steps", type=list[int], default=[1, 5, 10, 20, 40])
     plan.add_argument("--record_rate", type=float, default=1.0, help="DP-SGD's Poisson rate of records per step")
     plan.add_argument("--accountant", type=str, default="rdp")
@@ -294,6 +303,19 @@ def sweep_parser() -> ArgumentParser:
                    help="random search: number of runs (default: run_cap of the file); grid: run at most this many")
     p.add_argument("--seed", type=int, default=0, help="random search: seed of the parameter draws")
     p.add_argument("--dry_run", type=bool, default=False, help="print the commands, run nothing")
+    p.add_argument("--private_selection", type=dict | None, default=None,
+                   help="private selection (Papernot & Steinke): e.g. '{distribution: poisson, mean: 8}' (also "
+                        "geometric, logarithmic, truncated_negative_binomial with shape); overrides the file's")
+    p.add_argument("--target_epsilon", type=float | None, default=None,
+                   help="private selection: calibrate the trials' noise (--noise_setting) so that the selected "
+                        "result meets (target_epsilon, delta) including selection")
+    p.add_argument("--delta", type=float | None, default=None,
+                   help="private selection: the delta of the guarantee (default: the trials' ledger's)")
+    p.add_argument("--noise_setting", type=str | None, default=None,
+                   help="the setting --target_epsilon calibrates (default: trainer.algorithm.init_args.noise_multiplier)")
+    p.add_argument("--wandb", type=bool, default=False,
+                   help="private selection: create the W&B sweep and run `wandb agent --count K` with the drawn K "
+                        "(the W&B server then learns K and every trial)")
     return p
 
 
@@ -306,7 +328,8 @@ def report_parser() -> ArgumentParser:
                         "test_loss, val_loss, ... that was logged; else all)")
     p.add_argument("--epsilon", type=str | None, default=None,
                    help="the guarantee(s) to plot against, comma-separated epsilon columns (epsilon, "
-                        "epsilon_client_distributed_models, ...; default: every one the runs logged)")
+                        "epsilon_client_distributed_models, ...; default: every one the runs logged), or tuned: "
+                        "the tuned result at the epsilon that includes its tuning")
     p.add_argument("--out", type=str | None, default=None, help="output directory (default: RUNS_DIR/report)")
     return p
 

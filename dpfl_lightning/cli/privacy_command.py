@@ -95,7 +95,27 @@ def _calibrate(cfg: Any) -> None:
           f"{cfg.delta:g} after {cfg.rounds} rounds, {achieved.method}; {g.description}; {took:.3f} s)")
 
 
+def _plan_selection(cfg: Any) -> None:
+    """``dpfl privacy plan --selection FIT.yaml``: epsilon of the selected result of a private-selection
+    sweep of that run against the mean number of trials (and of one run, and of a grid of that many)."""
+    from dpfl_lightning.cli.sweep_command import plan_fit
+    from dpfl_lightning.privacy.selection_calibration import format_plan, selection_plan
+
+    planned = plan_fit(["--config", cfg.selection], cfg.selection)
+    require(planned is not None, "--selection", cfg.selection, "is not a DP run (no privacy guarantee)",
+            "give the config of a DP run")
+    one = max(planned.trials, key=lambda t: float(t.rdp().max()))  # a run of several profiles: its worst
+    rows = selection_plan(one, cfg.delta, cfg.distribution, cfg.shape, cfg.means,
+                          cfg.accountant)
+    print(f"{cfg.selection}: {planned.describe()}")
+    print(format_plan(rows, cfg.delta, cfg.distribution))
+
+
 def _plan(cfg: Any) -> None:
+    if cfg.selection:
+        return _plan_selection(cfg)
+    require(cfg.epsilon is not None and cfg.noise, "--epsilon / --noise", None, "the rounds table needs both",
+            "give --epsilon E --noise [z1,z2,...], or --selection FIT.yaml")
     require(0 < cfg.delta < 1.0 / cfg.records, "--delta", cfg.delta,
             f"record-level DP over {cfg.records} records per client needs delta well below 1/{cfg.records}",
             f"set --delta <= {default_delta(cfg.records):g} (or give --records, the records per client)")

@@ -63,6 +63,20 @@ class ReleaseList:
         self.declared: list[MetricRelease] = []
         self.withheld: set[str] = set()
         self.released_unaccounted: set[str] = set()
+        self.released_kinds: dict[str, str] = {}  # every key released, with its kind
+        self.record_path: str | None = None  # rank 0 of a DP run: where released_kinds is written
+
+    def record_to(self, path: str, evaluation_from_clients: bool) -> None:
+        """Write the kind of every released key to ``path`` (JSON; keys already released before a
+        resume kept) whenever a new one is released: ``dpfl sweep`` decides from it whether a metric
+        may select. Only released keys are named (the CSV has them): never a withheld one."""
+        import json
+        import os
+
+        self.record_path, self._from_clients = path, bool(evaluation_from_clients)
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.released_kinds.update(json.load(f).get("kinds", {}))
 
     def declare(self, *releases: MetricRelease) -> None:
         self.declared.extend(releases)
@@ -84,11 +98,23 @@ class ReleaseList:
             kind = kinds.get(key, "unaccounted")
             if self.allows(kind):
                 out[key] = value
+                if self.record_path is not None and self.released_kinds.get(key) != kind:
+                    self.released_kinds[key] = kind
+                    self._write_record()
                 if self.private and kind == "unaccounted":
                     self.released_unaccounted.add(key)
             else:
                 self.withheld.add(key)
         return out
+
+    def _write_record(self) -> None:
+        import json
+        import os
+
+        tmp = f"{self.record_path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"kinds": self.released_kinds, "evaluation_from_clients": self._from_clients}, f, indent=1)
+        os.replace(tmp, self.record_path)
 
     def describe(self) -> list[str]:
         """Lines for the run's privacy statement."""

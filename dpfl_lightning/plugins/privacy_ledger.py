@@ -212,13 +212,23 @@ class PrivacyLedger(FederatedCallback):
     def planned_epsilons(self, rounds: int) -> dict[str, float]:
         """What the ledger will report after ``rounds`` rounds from the start, with the default
         round plan (cohorts are keyed by the seed in a simulation)."""
+        return self.epsilons(rounds, self._planned_busiest(rounds))
+
+    def planned_compositions(self, rounds: int) -> dict[str, list[int]]:
+        """The compositions of each profile of every guarantee that :meth:`planned_epsilons` accounts
+        (a sweep composes or selects whole runs from them)."""
+        busiest = self._planned_busiest(rounds)
+        return {g.name: [self._profile_compositions(g, k, rounds, busiest.get(g.name)) for k in range(len(g.profiles))]
+                for g in self.guarantees}
+
+    def _planned_busiest(self, rounds: int) -> dict[str, list[int]]:
         busiest = {}
         for g in self.guarantees:
             if g.per_client and not self.secure:
                 planned = self._planner.counts(rounds)
                 steps = [self._planner.steps_for(p.record.records) if p.record is not None else 1 for p in g.profiles]
                 busiest[g.name] = [m * s for m, s in zip(self._maxima(g, planned), steps)]
-        return self.epsilons(rounds, busiest)
+        return busiest
 
     def accountant_of(self, name: str) -> tuple[str, str | None]:
         """The accountant that gives guarantee ``name``'s epsilon, and why it is not the one asked for

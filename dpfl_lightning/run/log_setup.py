@@ -3,6 +3,7 @@ run, the console progress (each epsilon with its delta and audience) and the end
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dpfl_lightning.executor import Executor, executor_choice
@@ -11,6 +12,9 @@ from dpfl_lightning.tracking.loggers import (RoundProgress, annotated_rows, epsi
 from dpfl_lightning.run.setup import RunSetup
 from dpfl_lightning.run.status import RunStatus
 from dpfl_lightning.run.settings import TrainerSettings
+
+#: the file of a DP run's version directory that names the release kind of every metric it released
+RELEASE_KINDS = "release_kinds.json"
 
 
 def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, status: RunStatus,
@@ -25,6 +29,9 @@ def open_loggers(settings: TrainerSettings, extra: list[Any], run: RunSetup, sta
     if run.private:
         log_privacy_settings(loggers, privacy_settings(run.ctx.mechanisms, run.ledger, run.privacy_lines()))
     status.csv_log_dir = loggers[0].log_dir
+    if run.private:  # which kind each released metric is (dpfl sweep's admissible selection metrics)
+        run.releases.record_to(os.path.join(status.csv_log_dir, RELEASE_KINDS),
+                               getattr(run.ctx.data, "test_set_from_clients", False))
     return loggers
 
 

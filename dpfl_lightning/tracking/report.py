@@ -160,7 +160,12 @@ def find_runs(runs_dir: str) -> list[Run]:
     if not os.path.isdir(runs_dir):
         raise ConfigError("report RUNS_DIR", runs_dir, "no such directory", "give the directory holding the runs")
     root = runs_dir
-    if os.path.isfile(os.path.join(runs_dir, "sweep.yaml")) and os.path.isdir(os.path.join(runs_dir, "runs")):
+    if os.path.isfile(os.path.join(runs_dir, "released", "selection.json")):  # private selection: what it released
+        root = os.path.join(runs_dir, "released", "runs")
+        if not os.path.isdir(root):
+            raise ConfigError("report RUNS_DIR", runs_dir, "is a private-selection sweep that released nothing "
+                              "(see its released/summary.md)", "report another sweep")
+    elif os.path.isfile(os.path.join(runs_dir, "sweep.yaml")) and os.path.isdir(os.path.join(runs_dir, "runs")):
         root = os.path.join(runs_dir, "runs")
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -484,24 +489,92 @@ def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str
 
 
 def write_report(runs_dir: str, metric: str | list[str] | None = None, out: str | None = None,
-                 epsilon: str | list[str] | None = None) -> dict[str, Any]:
+                 epsilon: str | list[str] | None = None, privacy: Any = None) -> dict[str, Any]:
     """Write the plots and ``summary.md``; returns ``{"plots": [...], "table": path, "metrics": [...],
-    "epsilons": [...], "groups": [...]}``."""
+    "epsilons": [...], "groups": [...], "privacy": ...}``.
+
+    ``privacy(runs, runs_dir)`` (``dpfl report`` passes ``cli.sweep_command.report_privacy``) gives the
+    epsilons of what the sweep releases (:func:`privacy_markdown`); ``epsilon`` may then name
+    ``tuned``: the tuned result placed at the epsilon that includes its tuning (:func:`plot_tuned`)."""
     runs = find_runs(runs_dir)
     metrics = select_metrics(runs, metric)
-    eps = epsilon_columns(runs, epsilon)
+    names = [e.strip() for e in (epsilon.split(",") if isinstance(epsilon, str) else epsilon or []) if e.strip()]
+    tuned = "tuned" in names
+    eps = epsilon_columns(runs, [e for e in names if e != "tuned"] or (None if not tuned else []))
     groups = group_runs(runs)
     out = out or os.path.join(runs_dir, "report")
     os.makedirs(out, exist_ok=True)
     plots = write_plots(groups, metrics, out, eps)
+    section = privacy(runs, runs_dir) if privacy is not None else None
+    if tuned:
+        if section is None:
+            raise ConfigError("report --epsilon", "tuned", "needs the runs' privacy (DP runs, planned by dpfl report)",
+                              "report a sweep of DP runs with dpfl report")
+        plots += [plot_tuned(groups, metrics, out, section, _goal(runs_dir))]
     table = os.path.join(out, "summary.md")
     with open(table, "w") as f:
-        f.write(summary_markdown(runs_dir, groups, metrics, eps))
-    return {"plots": plots, "table": table, "metrics": metrics, "epsilons": eps, "groups": groups}
+        f.write(summary_markdown(runs_dir, groups, metrics, eps) + (privacy_markdown(section) if section else ""))
+    return {"plots": plots, "table": table, "metrics": metrics, "epsilons": eps, "groups": groups, "privacy": section}
 
 
-def run_from_cli(cfg: Any) -> None:
-    result = write_report(cfg.runs_dir, cfg.metric, cfg.out, cfg.epsilon)
+def _goal(runs_dir: str) -> str:
+    """The sweep's ``metric.goal`` (its ``sweep.yaml``), else ``maximize``."""
+    try:
+        with open(os.path.join(runs_dir, "sweep.yaml")) as f:
+            metric = (yaml.safe_load(f) or {}).get("metric") or {}
+        return "minimize" if metric.get("goal") == "minimize" else "maximize"
+    except (OSError, yaml.YAMLError, AttributeError):
+        return "maximize"
+
+
+def privacy_markdown(section: dict[str, Any]) -> str:
+    """The section of ``summary.md`` that says what the sweep's release costs: one run, every run
+    composed, and the selected result of a private selection (each at its delta, towards whom)."""
+    lines = ["", "## Privacy of what the sweep releases", "",
+             f"{section['audience']}, delta={section['delta']:g}, dp_accounting:", "",
+             "| what is released | epsilon |", "|---|---|",
+             f"| one run (its own ledger) | {section['one_run']:.4g} |"]
+    if "selected" in section:
+        lines += [f"| every run of a grid of {section['grid_runs']} runs (the mean number of trials), composed | "
+                  f"{section['all_runs']:.4g} |",
+                  f"| the selected result of the private selection (including the selection) | "
+                  f"{section['selected']:.4g} |"]
+    else:
+        lines += [f"| all {section['runs']} runs (or the best of them, chosen by looking at all), composed | "
+                  f"{section['all_runs']:.4g} |"]
+    lines += ["", "`--epsilon tuned` places the tuned result at the last of these."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_tuned(groups: list[Group], metrics: list[str], out: str, section: dict[str, Any], goal: str) -> str:
+    """``<metric>_vs_epsilon_tuned.png``: every configuration's final metric at one run's epsilon,
+    and the tuned result (the best configuration by the metric's goal) at the epsilon that includes
+    its tuning (``section["tuned"]``)."""
+    figures = _Figures(out)
+    metric = metrics[0]
+    colors = _colors(len(groups))
+    fig, ax = figures.new()
+    finals = []
+    for g, c in zip(groups, colors):
+        values = [r.final(metric) for r in g.counted if r.final(metric) is not None]
+        if values:
+            mean = statistics.fmean(values)
+            finals.append(mean)
+            ax.plot([section["one_run"]], [mean], "o", color=c, alpha=0.5, label=f"{g.short} (one run)")
+    if finals:
+        best = max(finals) if goal == "maximize" else min(finals)
+        ax.plot([section["tuned"]], [best], "*", color="black", ms=14, label="tuned result (tuning included)")
+    ax.set(xlabel=f"epsilon (delta={section['delta']:g}, {section['audience']})", ylabel=metric,
+           title=f"final {metric}: one run vs the tuned result at its epsilon")
+    ax.grid(alpha=0.3)
+    _legend(ax, 2)
+    name = f"{_safe(metric)}_vs_epsilon_tuned.png"
+    figures.save(fig, name)
+    return os.path.join(out, name)
+
+
+def run_from_cli(cfg: Any, privacy: Any = None) -> None:
+    result = write_report(cfg.runs_dir, cfg.metric, cfg.out, cfg.epsilon, privacy)
     with open(result["table"]) as f:
         print(f.read())
     print(f"wrote {result['table']}")

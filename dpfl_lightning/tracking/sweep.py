@@ -79,6 +79,7 @@ import yaml
 
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.tracking.run_files import final_metric, is_private_run, short_keys
+from dpfl_lightning.tracking.sweep_privacy import metric_refusal
 from dpfl_lightning.federated.placement import available_cpus
 
 METHODS = ("grid", "random")
@@ -106,6 +107,8 @@ class Sweep:
     project: str | None = None
     entity: str | None = None
     notes: list[str] = field(default_factory=list)
+    goal: str = "maximize"
+    private_selection: Any = None  # the file's private_selection mapping (checked by private_sweep)
 
 
 def _err(key: str, value: Any, problem: str, fix: str) -> ConfigError:
@@ -216,13 +219,17 @@ def load_sweep(path: str) -> Sweep:
         raise _err("run_cap", run_cap, "must be a positive integer", "set run_cap: N")
     metric = raw.get("metric")
     metric_name = metric.get("name") if isinstance(metric, dict) else None
+    goal = metric.get("goal", "maximize") if isinstance(metric, dict) else "maximize"
+    if goal not in ("maximize", "minimize"):
+        raise _err("metric.goal", goal, "unknown goal", "set goal: maximize or goal: minimize")
     name = str(raw.get("name") or os.path.splitext(os.path.basename(path))[0])
     notes = []
     if raw.get("early_terminate"):
         notes.append("early_terminate is a W&B server feature: dpfl sweep runs every configuration to the end")
     return Sweep(path=path, name=_SAFE.sub("-", name).strip("-") or "sweep", method=method, parameters=checked,
                  command=command, program=program, run_cap=run_cap, metric=metric_name,
-                 project=raw.get("project"), entity=raw.get("entity"), notes=notes)
+                 project=raw.get("project"), entity=raw.get("entity"), notes=notes, goal=goal,
+                 private_selection=raw.get("private_selection"))
 
 
 # ---------------------------------------------------------------------------------------- configurations
@@ -426,9 +433,10 @@ class RunResult:
     returncode: int | None = None
     message: str = ""
     metric: float | None = None
+    refused: str = ""  # why the sweep's metric may not select among DP runs (see sweep_privacy)
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
+def read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             return json.load(f)
@@ -436,7 +444,7 @@ def _read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
+def write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -462,7 +470,7 @@ def _threads(jobs: int, mpi: int | None) -> int:
     return max(1, available_cpus() // (jobs * (mpi or 1)))
 
 
-def _environment(sweep: Sweep, jobs: int, mpi: int | None) -> dict[str, str]:
+def environment(sweep: Sweep, jobs: int, mpi: int | None) -> dict[str, str]:
     """The runs' environment: W&B group / project / entity from the sweep, threads per run."""
     env = dict(os.environ)
     env.setdefault("WANDB_RUN_GROUP", sweep.name)
@@ -484,10 +492,12 @@ def _plan_runs(sweep: Sweep, directory: str, names: list[str], configs: list[dic
     for name, params in zip(names, configs):
         json_file = os.path.join(directory, "args", f"{name}.json")
         cmd = build_command(sweep, params, mpi=mpi, log_dir=runs_dir, name=name, json_file=json_file)
-        done = _read_json(os.path.join(directory, "done", f"{name}.json"))
+        done = read_json(os.path.join(directory, "done", f"{name}.json"))
         if done is not None and _same(done.get("params"), params):
             results[name] = RunResult(name, params, "skipped", done.get("seconds"), 0, "done before",
-                                      final_metric(os.path.join(runs_dir, name), sweep.metric))
+                                      final_metric(os.path.join(runs_dir, name), sweep.metric),
+                                      (metric_refusal(os.path.join(runs_dir, name), sweep.metric) or "")
+                                      if sweep.metric else "")
             continue
         if done is not None:
             print(f"dpfl sweep: {name}: the parameters differ from the finished run's (a constant of the sweep "
@@ -527,11 +537,24 @@ def run(sweep_file: str, *, directory: str | None = None, mpi: int | None = None
     results, todo = _plan_runs(sweep, directory, names, configs, mpi, dry_run, out)
     if not dry_run:
         _announce(sweep, directory, len(configs), results, todo, out)
-        _run_jobs(sweep, directory, todo, jobs, _environment(sweep, jobs, mpi), results, out)
+        run_jobs(sweep, directory, todo, jobs, environment(sweep, jobs, mpi), results, out)
     ordered = [results[name] for name in names]
     if not dry_run:
         print_runs(ordered, sweep.metric, out)
+    refuse_selection(sweep, ordered)
     return ordered
+
+
+def refuse_selection(sweep: Sweep, results: list[RunResult]) -> None:
+    """A DP sweep whose metric is computed from clients' data without noise is refused (one
+    :class:`ConfigError`): selecting by it releases what no guarantee covers
+    (:func:`~dpfl_lightning.tracking.sweep_privacy.metric_refusal`, from the release kinds the runs
+    recorded). A sweep of runs without DP is not checked."""
+    refused = next((r for r in results if r.refused), None)
+    if refused is not None:
+        raise ConfigError("sweep metric.name", sweep.metric, f"may not select among DP runs: {refused.refused}",
+                          "select by a metric of the server's validation or test set (kind 'evaluation') or a DP "
+                          "release already in the ledger (kind 'noised')")
 
 
 def _check_arguments(jobs: int, mpi: int | None, count: int | None) -> None:
@@ -556,7 +579,7 @@ def _announce(sweep: Sweep, directory: str, total: int, results: dict[str, RunRe
         pass
 
 
-def _run_jobs(sweep: Sweep, directory: str, todo: list[tuple[str, dict[str, Any], list[str]]], jobs: int,
+def run_jobs(sweep: Sweep, directory: str, todo: list[tuple[str, dict[str, Any], list[str]]], jobs: int,
               env: dict[str, str], results: dict[str, RunResult], out: Any) -> None:
     """The job runner: ``todo``'s commands, ``jobs`` at a time; every run's result into ``results``
     (Ctrl-C ends the running ones)."""
@@ -604,7 +627,7 @@ def _start_run(sweep: Sweep, directory: str, runs_dir: str, name: str, params: d
     if os.path.exists(done_marker):
         os.remove(done_marker)
     if "${args_json_file}" in sweep.command:
-        _write_json(os.path.join(directory, "args", f"{name}.json"), params)
+        write_json(os.path.join(directory, "args", f"{name}.json"), params)
     log = open(os.path.join(directory, "logs", f"{name}.log"), "w")  # noqa: SIM115 - closed when the run ends
     log.write("$ " + " ".join(_quote(c) for c in cmd) + "\n")
     log.flush()
@@ -613,7 +636,7 @@ def _start_run(sweep: Sweep, directory: str, runs_dir: str, name: str, params: d
     except OSError as exc:
         log.close()
         message = f"could not start {cmd[0]!r}: {exc}"
-        _write_json(os.path.join(directory, "failed", f"{name}.json"),
+        write_json(os.path.join(directory, "failed", f"{name}.json"),
                     {"name": name, "params": params, "command": cmd, "returncode": None, "error": message})
         return RunResult(name, params, "failed", None, 127, message)
     return proc, log, time.perf_counter()
@@ -630,17 +653,19 @@ def _finish_run(sweep: Sweep, directory: str, runs_dir: str, name: str, params: 
     took = "" if seconds is None else f" in {seconds:.1f} s"
     log_path = os.path.join(directory, "logs", f"{name}.log")
     if returncode == 0:
-        _write_json(os.path.join(directory, "done", f"{name}.json"), record)
+        write_json(os.path.join(directory, "done", f"{name}.json"), record)
         failed = os.path.join(directory, "failed", f"{name}.json")
         if os.path.exists(failed):
             os.remove(failed)
         value = final_metric(os.path.join(runs_dir, name), sweep.metric)
+        refused = metric_refusal(os.path.join(runs_dir, name), sweep.metric) if sweep.metric else None
         shown = f" ({sweep.metric}={value:.4g})" if value is not None else ""
-        print(f"{name}: done{took}{shown}", file=out, flush=True)
-        return RunResult(name, params, "done", seconds, 0, "", value)
+        print(f"{name}: done{took}{shown}" + (f"; {sweep.metric} may not select: {refused}" if refused else ""),
+              file=out, flush=True)
+        return RunResult(name, params, "done", seconds, 0, "", value, refused or "")
     message = _last_error_line(log_path)
     record["error"] = message
-    _write_json(os.path.join(directory, "failed", f"{name}.json"), record)
+    write_json(os.path.join(directory, "failed", f"{name}.json"), record)
     print(f"{name}: failed (exit {returncode}){took.replace(' in ', ' after ')}: {message} [log: {log_path}]",
           file=out, flush=True)
     return RunResult(name, params, "failed", seconds, returncode, message)

@@ -1,0 +1,130 @@
+"""``dpfl sweep`` and ``dpfl report`` with the privacy of what a sweep releases: each run's privacy
+planned from its ``dpfl fit`` configuration (:func:`plan_fit`, which builds the configured objects and
+so lives with the command line), private selection (:mod:`dpfl_lightning.tracking.private_sweep`), and
+the epsilons a report shows for a sweep of DP runs (:func:`report_privacy`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.tracking.sweep_privacy import RunPrivacy
+
+#: the setting ``--target_epsilon`` calibrates by default
+NOISE_SETTING = "trainer.algorithm.init_args.noise_multiplier"
+
+
+def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = None,
+             noise_setting: str = NOISE_SETTING) -> RunPrivacy | None:
+    """The :class:`RunPrivacy` of ``dpfl fit ARGUMENTS`` after ``rounds`` rounds (default: the
+    configured ones), or ``None`` for a run without DP: its privacy ledger's main guarantee, one
+    trial per profile. Builds the configured trainer, data and model (imports torch), trains nothing."""
+    from dpfl_lightning.cli.parsers import fit_parser
+    from dpfl_lightning.cli.privacy_command import plan_run
+    from dpfl_lightning.cli.run_objects import federated_data
+    from dpfl_lightning.privacy.selection_accounting import Trial
+
+    parser = fit_parser()
+    try:
+        cfg = parser.parse_args(list(arguments))
+    except SystemExit as exc:  # jsonargparse exits on a bad command line
+        raise ConfigError("sweep configuration", label or " ".join(arguments), "is not a valid dpfl fit "
+                          "configuration", "check it with dpfl fit ... --print_config") from exc
+    init = parser.instantiate_classes(cfg)
+    data = federated_data(init.data, cfg.split)
+    ledger = plan_run(init.trainer, data, model=init.model)
+    if not ledger.guarantees:
+        return None
+    rounds = init.trainer.rounds if rounds is None else int(rounds)
+    g = ledger.guarantees[0]
+    comps = ledger.planned_compositions(rounds)[g.name]
+    many = len(g.profiles) > 1
+    trials = tuple(Trial(((p.release, int(n)),), f"{label}; profile {k}" if many else label)
+                   for k, (p, n) in enumerate(zip(g.profiles, comps)))
+    try:
+        noise = cfg.get(noise_setting)
+    except (KeyError, AttributeError):
+        noise = None
+    from dpfl_lightning.tracking.loggers import AUDIENCES
+
+    return RunPrivacy(trials, AUDIENCES.get(g.audience, g.audience), g.granularity, float(ledger.delta), str(ledger.accountant),
+                      bool(init.trainer.settings.secure), float(noise) if isinstance(noise, (int, float)) else None)
+
+
+def run_sweep(cfg: Any, out: Any = None) -> int:
+    """``dpfl sweep``: a private selection when the file or ``--private_selection`` asks for it
+    (exit 0 when it released, or released nothing because K = 0; 1 when a trial failed), else every
+    configuration (:func:`dpfl_lightning.tracking.sweep.run_from_cli`)."""
+    from dpfl_lightning.tracking import sweep as sweeps
+
+    out = out or sys.stderr
+    sweep = sweeps.load_sweep(cfg.sweep_file)
+    selection = getattr(cfg, "private_selection", None)
+    if sweep.private_selection is None and selection is None:
+        if getattr(cfg, "target_epsilon", None) is not None or getattr(cfg, "wandb", False):
+            raise ConfigError("--target_epsilon" if cfg.target_epsilon is not None else "--wandb",
+                              cfg.target_epsilon if cfg.target_epsilon is not None else True,
+                              "applies to a private-selection sweep",
+                              "add private_selection: {distribution: poisson, mean: 8} to the sweep file (or "
+                              "--private_selection)")
+        return sweeps.run_from_cli(cfg)
+    from dpfl_lightning.tracking import private_sweep
+
+    count = private_sweep.selection_setting(sweep, selection)
+    setting = getattr(cfg, "noise_setting", None) or NOISE_SETTING
+    options = private_sweep.Options(
+        directory=cfg.dir or os.path.join("sweeps", sweep.name),
+        planner=lambda args, label: plan_fit(args, label, noise_setting=setting), seed=cfg.seed, jobs=cfg.jobs,
+        mpi=cfg.mpi, target_epsilon=getattr(cfg, "target_epsilon", None), delta=getattr(cfg, "delta", None),
+        noise_setting=setting, wandb=bool(getattr(cfg, "wandb", False)))
+    info = private_sweep.run_private(sweep, count, options, out)
+    return 1 if info is None else 0
+
+
+def report_privacy(runs: list[Any], sweep_dir: str) -> dict[str, Any] | None:
+    """The epsilons of what a sweep of DP runs releases, for ``dpfl report``: one run (the largest of
+    its runs), every run composed (``dp_accounting`` through ``selection_accounting``), and, for a
+    private-selection sweep, the selected result's (its ``released/selection.json``). ``None`` when
+    no run is a DP run. Each run's trial is planned from its saved ``config.yaml`` at the rounds it
+    logged."""
+    from dpfl_lightning.privacy.selection_accounting import all_runs_epsilon, one_run_epsilon
+    from dpfl_lightning.tracking.sweep_privacy import config_arguments
+
+    planned = []
+    for run in runs:
+        if run.repeat_of is not None or not run.config.get("privacy.epsilons.epsilon.towards", run.config.get(
+                "privacy.guarantees")):
+            continue
+        args = config_arguments(os.path.dirname(run.path))
+        privacy = plan_fit(args, run.label, rounds=run.rounds) if args else None
+        if privacy is not None:
+            planned.append(privacy)
+    if not planned:
+        return None
+    delta = min(p.delta for p in planned)
+    accountant = planned[0].accountant
+    trials = [t for p in planned for t in p.trials]
+    out = {"runs": len(planned), "delta": delta, "audience": f"{planned[0].granularity}-level, {planned[0].audience}",
+           "one_run": one_run_epsilon(trials, delta, accountant).epsilon,
+           "all_runs": all_runs_epsilon([max(p.trials, key=lambda t: t.rdp().max()) for p in planned], delta,
+                                        accountant).epsilon}
+    selection = os.path.join(sweep_dir, "released", "selection.json")
+    if os.path.isfile(selection):
+        import json
+
+        with open(selection) as f:
+            g = json.load(f)["guarantee"]
+        out.update(selected=g["epsilon_selected"], all_runs=g["epsilon_all_runs"], grid_runs=g["grid_runs"],
+                   delta=g["delta"], one_run=g["epsilon_one_run"], audience=f"{g['granularity']}-level, {g['audience']}")
+    out["tuned"] = out.get("selected", out["all_runs"])
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else float("inf")) for k, v in out.items()}
+
+
+def run_report(cfg: Any) -> None:
+    """``dpfl report`` with the privacy of the sweep's runs (:func:`report_privacy`)."""
+    from dpfl_lightning.tracking import report as reporting
+
+    reporting.run_from_cli(cfg, privacy=report_privacy)

@@ -15,6 +15,7 @@ _LAZY = {
     "AdaptiveClip": "dpfl_lightning.plugins.adaptive_clipping",
     "Aggregate": "dpfl_lightning.federated.payload",
     "ClientContext": "dpfl_lightning.plugins.contexts",
+    "CorrelatedNoise": "dpfl_lightning.plugins.correlated_noise",
     "DPSGD": "dpfl_lightning.plugins.dpsgd",
     "FedEXP": "dpfl_lightning.plugins.fedexp",
     "FederatedCallback": "dpfl_lightning.plugins.base",

@@ -71,6 +71,11 @@ class ServerOptimizer(FederatedCallback):
             self._opt.load_state_dict(self._pending_state)
             self._pending_state = None
 
+    def on_fit_start(self, *, ctx) -> None:
+        from dpfl_lightning.plugins.correlated_noise import check_server_optimizer
+
+        check_server_optimizer(self.optimizer, self.momentum, self.nesterov, ctx.mechanisms)
+
     def step(self, *, params: torch.Tensor, server) -> None:
         """Move ``params`` (the global model) by the round's mean update ``server.update``: the one
         place where the global model changes (the trainer's server phase calls it after the other

@@ -134,8 +134,10 @@ def guarantees(mechanisms: list[Mechanism], sampling: Sampling, relation: str | 
         name, what = "client_central", "client-level DP, central noise"
     else:
         name, what = "client_distributed_models", "client-level DP, distributed noise"
+    streams = "".join(f"; {m.description}" for m in client if m.stream is not None)
     out.append(Guarantee(name, f"{what} ({_names(client)}), towards anyone who sees the models but not who took part"
-                         + (" (trusted aggregator)" if central else ""), "models", "client", False, (Profile(release),)))
+                         + (" (trusted aggregator)" if central else "") + streams, "models", "client", False,
+                         (Profile(release),)))
     return out
 
 

@@ -1,0 +1,283 @@
+"""CorrelatedNoise: DP-FTRL's noise, correlated across rounds by a matrix factorization (central).
+
+The server adds ``(L Z)_t`` to round ``t``'s sum of clipped updates before its step, where ``C`` is a
+factorization's right factor, ``L C = I`` and ``Z``'s rows are ``N(0, (z sens C_t)^2 I_d)``: the run
+releases ``C g + Z``, the Gaussian mechanism with noise multiplier ``z`` for a sensitivity ``sens`` of
+``C`` under the participation pattern (:mod:`dpfl_lightning.privacy.matrix_factorization`). The server
+step sees ``A (g + L Z)``, whose noise ``A L Z`` is smaller than independent noise's for the
+workload ``A`` (prefix sums for server SGD, the momentum workload with server momentum).
+
+Strategies (``strategy=``): ``tree`` (online tree aggregation with Honaker's estimator, restarted
+every ``2**tree_height`` rounds; Kairouz et al., ICML 2021), ``banded`` (a ``bands``-banded Toeplitz
+``C`` optimised for the workload; Choquette-Choo et al., NeurIPS 2023), ``blt`` (a buffered linear
+Toeplitz ``C`` with ``buffers`` buffers optimised for the participation pattern; Dvijotham et al.
+2024, McMahan et al. 2024), ``independent`` (``C = I``: DP-FedAvg's independent noise under the same
+participation and accounting).
+
+Participation (the trainer's ``sampling``, enforced by the sampler and read by the ledger):
+``cyclic`` (``b`` groups, group ``t mod b`` in round ``t``: participations ``b`` apart, at most
+``ceil(T / b)``, no amplification) or, for ``banded`` and ``independent``, ``amplified_cyclic``
+(Poisson sampling inside the round's group, accounted per participation as a Poisson-sampled
+Gaussian). Any other sampler is refused.
+
+Threat model: central (a trusted aggregator adds the noise; the guarantee is towards anyone who
+sees the models). The noise is scaled by the clip bound in force in each round (adaptive clipping
+moves it) before it enters the mechanism's state, so every round's fresh rows are ``z sens C_t``.
+Frozen parameters: the noise covers the trainable entries only (the count must not change during
+the run). The mechanism's state (the last ``bands - 1`` noise rows, the BLT's buffers, the tree's
+node estimates) is a secret: it is never checkpointed or logged. A resumed simulation rebuilds it
+from the keyed streams (bit for bit); secure mode cannot (the secret keying it is gone), so a
+secure-mode resume is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from dpfl_lightning import rng
+from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.federated import frozen
+from dpfl_lightning.federated.payload import UPDATE
+from dpfl_lightning.federated.releases import MetricRelease
+from dpfl_lightning.federated.sampling import CYCLIC
+from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
+from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
+from dpfl_lightning.privacy import matrix_factorization as mf
+from dpfl_lightning.privacy.correlated_noise import noise_generator
+from dpfl_lightning.privacy.mechanisms import Mechanism, Stream
+from dpfl_lightning.privacy.mf_optimize import banded, blt
+
+STRATEGIES = ("tree", "banded", "blt", "independent")
+AMPLIFIABLE = ("banded", "independent")
+_TAG = "CorrelatedNoise"
+
+
+def default_cache_dir() -> str:
+    """Where optimised factors are cached: ``$DPFL_CACHE_DIR/factorizations``, else
+    ``~/.cache/dpfl_lightning/factorizations``."""
+    root = os.environ.get("DPFL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dpfl_lightning")
+    return os.path.join(root, "factorizations")
+
+
+def build_strategy(kind: str, workload: mf.Workload, groups: int, bands: int | None = None, buffers: int = 4,
+                   tree_height: int | None = None, cache_dir: str | None = None) -> mf.Strategy:
+    """The strategy ``kind`` for ``workload``'s rounds under cyclic participation in ``groups`` groups.
+    Optimised factors are computed with one thread (the same bits on every rank and thread count) and
+    cached in ``cache_dir``: every rank computes or reads the same factor, no broadcast is needed."""
+    T = workload.T
+    if kind == "independent":
+        return mf.independent(T)
+    if kind == "tree":
+        return mf.tree(T, tree_height)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if kind == "banded":
+            return banded(workload, min(groups, T) if bands is None else bands, cache_dir=cache_dir)
+        return blt(workload, buffers, min_sep=min(groups, T), max_participations=-(-T // groups), cache_dir=cache_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class CorrelatedNoise(CalibratedNoise, FederatedCallback):
+    """Correlated Gaussian noise across rounds on the sum of clipped updates (see the module docstring).
+
+    Args:
+        strategy: ``"tree"``, ``"banded"``, ``"blt"`` or ``"independent"``.
+        noise_multiplier: ``z``, the Gaussian multiplier of the whole stream (``Z``'s rows have std
+            ``z sens C``). Give it or ``target_epsilon``.
+        target_epsilon / delta / accountant: calibrate ``z`` before training.
+        bands: ``banded``'s number of bands (default and maximum: the sampler's number of groups).
+        buffers: ``blt``'s number of buffers (2-6 typical).
+        tree_height: ``tree`` restarts every ``2**tree_height`` rounds (default: one tree).
+        server_momentum: the server SGD momentum the factorization is optimised for (it must equal
+            the ServerOptimizer's).
+        cache_dir: where optimised factors are cached (default :func:`default_cache_dir`).
+    """
+
+    order = ORDER_ADD_NOISE
+    state_key = "CorrelatedNoise"
+
+    def __init__(self, strategy: str = "banded", noise_multiplier: float | None = None,
+                 target_epsilon: float | None = None, delta: float | None = None, accountant: str = "rdp",
+                 bands: int | None = None, buffers: int = 4, tree_height: int | None = None,
+                 server_momentum: float = 0.0, cache_dir: str | None = None) -> None:
+        require(strategy in STRATEGIES, "CorrelatedNoise.strategy", strategy, "unknown strategy",
+                f"use one of {', '.join(STRATEGIES)}")
+        require((noise_multiplier is None) != (target_epsilon is None), "CorrelatedNoise",
+                {"noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon},
+                "exactly one of noise_multiplier and target_epsilon must be set",
+                "pass noise_multiplier=... or target_epsilon=... (with delta)")
+        check_noise_multiplier("CorrelatedNoise", noise_multiplier, False)
+        self.check_target_epsilon("CorrelatedNoise", target_epsilon)
+        require(delta is None or 0 < delta < 1, "CorrelatedNoise.delta", delta, "must be in (0, 1)",
+                "set delta well below 1/num_clients")
+        require(bands is None or (isinstance(bands, int) and bands >= 1), "CorrelatedNoise.bands", bands,
+                "must be an integer >= 1", "leave it unset (the number of cyclic groups) or give a smaller one")
+        require(0.0 <= server_momentum < 1.0, "CorrelatedNoise.server_momentum", server_momentum, "must be in [0, 1)",
+                "set the ServerOptimizer's momentum")
+        self.strategy_name, self.noise_multiplier, self.target_epsilon = strategy, noise_multiplier, target_epsilon
+        self.delta, self.accountant = delta, accountant
+        self.bands, self.buffers, self.tree_height = bands, buffers, tree_height
+        self.server_momentum = float(server_momentum)
+        self.cache_dir = cache_dir
+        self.strategy: mf.Strategy | None = None
+        self.sensitivity_details = None
+        self.scales: list[float] = []  # each round's std of Z's rows: public (z, sens and the bound in force)
+        self._generator = None
+        self._restored = False
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, *, ctx) -> None:
+        kind = ctx.sampler.kind
+        if kind not in CYCLIC:
+            raise ConfigError("trainer.sampling", kind, f"CorrelatedNoise accounts cyclic participation (a client "
+                              f"takes part at most every b rounds); {kind} sampling lets a client take part in "
+                              "consecutive rounds (or in every round), which the factorization's sensitivity and "
+                              "the ledger do not cover", "set trainer.sampling='cyclic' with clients_per_round=m "
+                              "(b = ceil(M/m) groups), or 'amplified_cyclic' with sampling_rate for banded")
+        if kind == "amplified_cyclic" and self.strategy_name not in AMPLIFIABLE:
+            raise ConfigError("CorrelatedNoise.strategy", self.strategy_name, "amplification by sampling inside the "
+                              "cyclic groups is proven for banded factorizations (columns b apart do not overlap), "
+                              "not for a tree or a BLT", "use strategy='banded', or sampling='cyclic'")
+        self._bound = ctx.norm_bound((UPDATE,), before=self)
+        if self._bound is None:
+            raise ConfigError("CorrelatedNoise", self.strategy_name, "the noise is scaled to a norm bound on the "
+                              "update, and no UpdateClipping or UpdateNormalization bounds it before the noise",
+                              "add UpdateClipping(C) to the plugins")
+        self.T, self.groups = ctx.rounds, ctx.sampler.groups
+        self.min_sep, self.k = min(self.groups, self.T), -(-self.T // self.groups)
+        if self.bands is not None and self.bands > self.min_sep:
+            raise ConfigError("CorrelatedNoise.bands", self.bands, f"a {self.bands}-banded C needs participations "
+                              f"at least {self.bands} rounds apart, and cyclic participation gives {self.min_sep}",
+                              f"set bands <= {self.min_sep}, or fewer clients_per_round (more groups)")
+        self.rate = ctx.sampler.accounted().rate if kind == "amplified_cyclic" else 1.0
+        self.workload = mf.momentum(self.T, self.server_momentum)
+        self.strategy = build_strategy(self.strategy_name, self.workload, self.groups, self.bands, self.buffers,
+                                       self.tree_height, self.cache_dir or default_cache_dir())
+        self.sensitivity_details = self.strategy.sensitivity_details(self.min_sep, self.k)
+        self._secure = ctx.secure
+        if self.target_epsilon is not None:
+            if self.delta is None:
+                self.delta = ctx.privacy.default_delta("client")
+            self.noise_multiplier = 1.0  # a placeholder: the run calibrates it (see `calibration`)
+
+    @property
+    def sensitivity(self) -> float:
+        """``sens``: the L2 sensitivity of ``C`` under the participation pattern, for unit clip bound."""
+        return self.sensitivity_details.value
+
+    @property
+    def calibration(self) -> tuple[float, float, str] | None:
+        return None if self.target_epsilon is None else (self.target_epsilon, self.delta, self.accountant)
+
+    def use_noise_multiplier(self, z: float) -> None:
+        self.noise_multiplier = float(z)
+
+    def stream(self) -> Stream:
+        """How the ledger accounts this mechanism (:class:`~dpfl_lightning.privacy.mechanisms.Stream`)."""
+        z, sens = float(self.noise_multiplier), self.sensitivity
+        common = dict(rounds=self.T, min_sep=self.min_sep, workload=self.workload.name, strategy=self.strategy_name)
+        if self.rate < 1:  # per participation: a column of norm <= 1, noise z sens C
+            return Stream("participations", z * sens, rate=self.rate, **common)
+        if self.strategy_name == "tree" and self.k == 1:  # dp_accounting's single-epoch tree event
+            return Stream("tree", z * sens, restart_every=2 ** self.strategy.params["height"], **common)
+        return Stream("gaussian", z, **common)
+
+    def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
+        s = self.stream()
+        what = f"{self.strategy_name} correlated noise over {self.T} rounds (noise multiplier {s.noise_multiplier:.4g}" \
+               f", sensitivity {self.sensitivity:.4g} of C under participations {self.min_sep} rounds apart, at most " \
+               f"{self.k}" + (f", Poisson rate {self.rate:g} inside the group" if self.rate < 1 else "") + ")"
+        return [Mechanism.correlated("CorrelatedNoise", s, (UPDATE,), what)]
+
+    def released_metrics(self, *, ctx) -> list[MetricRelease]:
+        return [MetricRelease("noise_std", "public", "CorrelatedNoise",
+                              "the std of the round's correlated noise per coordinate (from z, C and the bound)")]
+
+    def on_fit_start(self, *, ctx) -> None:
+        if ctx.is_global_zero:
+            self.warn_if_useless("CorrelatedNoise", self.noise_multiplier, self._bound(),
+                                 "raise target_epsilon, or train fewer rounds")
+
+    # ------------------------------------------------------------------ rounds
+    def before_round(self, *, plan, server) -> None:
+        self._round_scale = float(self.noise_multiplier) * self.sensitivity * self._bound()
+
+    def _generator_for(self, d: int, random: rng.RandomSource, round_idx: int):
+        if self._generator is not None and self._generator.d != d:
+            raise ConfigError("CorrelatedNoise", f"round {round_idx + 1}", f"the trainable part changed from "
+                              f"{self._generator.d} to {d} entries during the run, and the correlated noise's "
+                              "state has the first dimension", "keep the same parameters trainable for the whole "
+                              "run (freeze or unfreeze before fit)")
+        if self._generator is None:
+            def normal(t: int, rows: int) -> torch.Tensor:
+                stream = random.stream(t, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, tag=_TAG)
+                return stream.normal((rows, d), 1.0, dtype=torch.float64)
+
+            self._generator = noise_generator(self.strategy, d, normal)
+        if self._generator.round != round_idx:
+            self._resume(round_idx)
+        return self._generator
+
+    def _resume(self, round_idx: int) -> None:
+        if self._secure:
+            raise ConfigError("resume", f"round {round_idx + 1}", "secure mode cannot resume a correlated-noise "
+                              "run: its noise state was never saved and the secret that keyed it is gone",
+                              "start a new run (the ledger then accounts it as a new mechanism)")
+        if len(self.scales) < round_idx:
+            raise ConfigError("resume", f"round {round_idx + 1}", "the checkpoint holds no scales for the rounds "
+                              "before it", "resume from a checkpoint written by this CorrelatedNoise")
+        self._generator.resume(round_idx, self.scales[:round_idx])
+
+    def on_aggregate(self, *, server) -> None:
+        x, mask, t = server.aggregate[UPDATE], server.plan.trainable, server.round_idx
+        gen = self._generator_for(frozen.count(mask, x.numel()), server.random, t)
+        noise = gen.next(self._round_scale)
+        del self.scales[t:]
+        self.scales.append(self._round_scale)
+        if mask is None:
+            x.add_(noise.to(x.dtype))
+        else:
+            x[mask] += noise.to(x.dtype)
+
+    def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
+        t = server.round_idx
+        metrics["noise_std"] = self._round_scale * math.sqrt(float(self.strategy.covariance()[t, t])) \
+            if self.T <= 4096 else self._round_scale
+
+    # ------------------------------------------------------------------ state: public scales only
+    def state_dict(self) -> dict[str, Any]:
+        state = {"scales": list(self.scales), "strategy": self.strategy_name}
+        state.update(CalibratedNoise.state_dict(self))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        CalibratedNoise.load_state_dict(self, {k: v for k, v in state.items() if k == "noise_multiplier"})
+        self.scales = [float(s) for s in state.get("scales", [])]
+        if self.scales and getattr(self, "_secure", False):
+            raise ConfigError("resume", f"round {len(self.scales) + 1}", "secure mode cannot resume a correlated-"
+                              "noise run: its noise state was never saved and the secret that keyed it is gone",
+                              "start a new run (the ledger then accounts it as a new mechanism)")
+
+
+def check_server_optimizer(optimizer: str, momentum: float, nesterov: bool, mechanisms: list) -> None:
+    """Refuse a server optimizer whose iterates are not the workload a correlated-noise mechanism was
+    optimised for (prefix sums for SGD, the momentum workload for SGD with that momentum)."""
+    for m in mechanisms:
+        s = getattr(m, "stream", None)
+        if s is None:
+            continue
+        expected = mf.momentum(s.rounds, momentum).name if optimizer == "sgd" and not nesterov else None
+        if expected != s.workload:
+            raise ConfigError("ServerOptimizer", {"optimizer": optimizer, "momentum": momentum, "nesterov": nesterov},
+                              f"{m.source}'s factorization is optimised for the '{s.workload}' workload (server SGD "
+                              f"{'with momentum ' + s.workload[8:] if s.workload != 'prefix' else 'without momentum'})"
+                              ", and this server optimizer's iterates are another function of the noisy updates, so "
+                              "the noise would not cancel as planned", "use ServerOptimizer('sgd', momentum=m) with "
+                              "CorrelatedNoise(server_momentum=m) (no nesterov, adam or adagrad)")

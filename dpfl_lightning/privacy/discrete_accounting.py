@@ -85,7 +85,8 @@ def ddg_tau(sigma: float, n: int) -> float:
 @dataclass(frozen=True)
 class DiscreteRdp:
     """One round's privacy of the summed integer noise, before sampling, as a minimum of
-    ``xi + rho alpha`` curves (``candidates``: ``(rho, xi)`` pairs)."""
+    ``xi + rho alpha`` curves (``candidates``: ``(rho, xi)`` pairs; Skellam's ``xi`` can be
+    negative, the paper's curve is then below a zCDP event's)."""
 
     mechanism: str
     candidates: tuple[tuple[float, float], ...]
@@ -99,8 +100,9 @@ class DiscreteRdp:
         return np.min([xi + rho * a for rho, xi in self.candidates], axis=0)
 
     def zcdp_events(self) -> tuple[dp_accounting.ZCDpEvent, ...]:
-        """Each candidate as a ``dp_accounting.ZCDpEvent`` (each alone is a valid bound)."""
-        return tuple(dp_accounting.ZCDpEvent(rho=rho, xi=xi) for rho, xi in self.candidates)
+        """Each candidate as a ``dp_accounting.ZCDpEvent`` (each alone is a valid bound; a negative
+        ``xi``, which the event refuses, is raised to 0: a weaker but valid bound)."""
+        return tuple(dp_accounting.ZCDpEvent(rho=rho, xi=max(0.0, xi)) for rho, xi in self.candidates)
 
     def best_zcdp_event(self, delta: float, steps: int = 1) -> dp_accounting.ZCDpEvent:
         """The candidate giving the least epsilon after ``steps`` unsampled rounds."""
@@ -129,7 +131,7 @@ def skellam_rdp(l2: float, l1: float, mu: float) -> DiscreteRdp:
     ``Sk(mu/n, mu/n)`` each), on integer vectors of sensitivity ``l2``/``l1`` (grid units)."""
     require(mu > 0, "skellam mu", mu, "must be > 0", "add noise")
     rho = l2**2 / (4 * mu)
-    cands = ((rho + 2 * l2**2 / (16 * mu**2), max(0.0, (6 * l1 - l2**2) / (16 * mu**2))),
+    cands = ((rho + 2 * l2**2 / (16 * mu**2), (6 * l1 - l2**2) / (16 * mu**2)),
              (rho, 3 * l1 / (4 * mu)))
     return DiscreteRdp("skellam", cands, l2, l1,
                        f"Skellam Sk({mu:.4g}, {mu:.4g}) summed, sensitivity L2 {l2:.4g} / L1 {l1:.4g} grid units")

@@ -1,0 +1,263 @@
+"""CorrelatedNoise in a run: cyclic participation, refusals, the ledger against dp_accounting, the noise a
+zero-update run receives against the factorization's prediction, secrecy of the noise state, resume."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting import pld, rdp
+from dp_accounting.privacy_accountant import NeighboringRelation
+
+from dpfl_lightning import rng
+from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.federated.sampling import ClientSampler
+from dpfl_lightning.plugins import AdaptiveClip, CorrelatedNoise, FedEXP, ServerOptimizer, UpdateClipping
+from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.privacy import matrix_factorization as mf
+from tests.helpers import TinyClassifier, quiet_trainer, tiny_data
+
+STRATEGIES = ["tree", "banded", "blt", "independent"]
+
+
+class Aggregates(FederatedCallback):
+    """Records the noised sum of the updates (after the noise, before the server step)."""
+
+    order = 300
+
+    def __init__(self):
+        self.sums = []
+
+    def on_aggregate(self, *, server) -> None:
+        self.sums.append(server.aggregate["update"].detach().double().clone())
+
+
+def _run(tmp_path, strategy="banded", rounds=6, m=5, sampling="cyclic", plugins=(), model=None, data=None, **kw):
+    cn = kw.pop("noise", None) or CorrelatedNoise(strategy, noise_multiplier=kw.pop("z", 1.0),
+                                                  cache_dir=str(tmp_path / "cache"))
+    tr = quiet_trainer(str(tmp_path / "run"), rounds=rounds, sampling=sampling, clients_per_round=m,
+                       plugins=[UpdateClipping(1.0), cn, *plugins], **kw)
+    out = tr.fit(model or TinyClassifier(), data or tiny_data())
+    return tr, cn, out
+
+
+# ------------------------------------------------------------------ participation
+def test_cyclic_participation_min_separation_and_count():
+    s, random, T = ClientSampler("cyclic", 23, 5), rng.RandomSource(7), 14
+    b = s.groups
+    assert b == 5  # ceil(23 / 5)
+    seen: dict[int, list[int]] = {}
+    for t in range(T):
+        for c in s.sample(random, t):
+            seen.setdefault(c, []).append(t)
+    assert sorted(seen) == list(range(23))  # the groups partition the population
+    for rounds in seen.values():
+        assert len(rounds) <= math.ceil(T / b)
+        assert all(b2 - b1 >= b for b1, b2 in zip(rounds, rounds[1:]))
+    assert s.sample(random, 3) == s.sample(rng.RandomSource(7, secret=b"x" * 32), 3)  # keyed by the seed alone
+    assert s.sample(random, 3) != s.sample(rng.RandomSource(8), 3)
+
+
+def test_amplified_cyclic_samples_inside_the_group():
+    s, random = ClientSampler("amplified_cyclic", 40, 10, 0.5), rng.RandomSource(0)
+    group = set(ClientSampler("cyclic", 40, 10).sample(random, 6))
+    sizes = []
+    for t in (2, 6, 10):
+        cohort = s.sample(random, t)
+        assert set(cohort) <= group
+        sizes.append(len(cohort))
+    assert len(set(sizes)) > 1  # independent coins each round
+    assert not s.cohort_size_is_public and s.expected_cohort == 5.0
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("sampling,kw", [("poisson", {"sampling_rate": 0.2}), ("uniform", {}), ("full", {})])
+def test_other_samplers_are_refused(tmp_path, sampling, kw):
+    cn = CorrelatedNoise("banded", noise_multiplier=1.0, cache_dir=str(tmp_path))
+    m = None if sampling != "uniform" else 5
+    tr = quiet_trainer(str(tmp_path), rounds=3, sampling=sampling, clients_per_round=m,
+                       plugins=[UpdateClipping(1.0), cn], **kw)
+    with pytest.raises(ConfigError, match="cyclic participation"):
+        tr.fit(TinyClassifier(), tiny_data())
+
+
+def test_amplified_tree_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="proven for banded"):
+        _run(tmp_path, "tree", sampling="amplified_cyclic", sampling_rate=0.5)
+
+
+def test_momentum_needs_the_momentum_workload(tmp_path):
+    with pytest.raises(ConfigError, match="workload"):
+        _run(tmp_path, "banded", plugins=[ServerOptimizer("sgd", lr=1.0, momentum=0.9)])
+    with pytest.raises(ConfigError, match="workload"):
+        _run(tmp_path, "banded", plugins=[ServerOptimizer("adam", lr=0.1)])
+    cn = CorrelatedNoise("banded", noise_multiplier=1.0, server_momentum=0.9, cache_dir=str(tmp_path / "c"))
+    tr, _, _ = _run(tmp_path, noise=cn, plugins=[ServerOptimizer("sgd", lr=1.0, momentum=0.9)])
+    assert len(tr.history) == 6 and cn.workload.name == mf.momentum(6, 0.9).name
+
+
+def test_secure_mode_resume_is_refused(tmp_path):
+    tr, _, _ = _run(tmp_path, "blt", secure=True, checkpoint_every=2)
+    cn = CorrelatedNoise("blt", noise_multiplier=1.0, cache_dir=str(tmp_path / "cache"))
+    again = quiet_trainer(str(tmp_path / "again"), rounds=6, sampling="cyclic", clients_per_round=5, secure=True,
+                          plugins=[UpdateClipping(1.0), cn])
+    with pytest.raises(ConfigError, match="secure mode cannot resume"):
+        again.fit(TinyClassifier(), tiny_data(), ckpt_path=os.path.join(tr.checkpoint_dir, "round-000002.ckpt"))
+
+
+# ------------------------------------------------------------------ accounting
+def _dp_accounting_epsilon(strategy, z, sens, T, b, delta, accountant, rate=1.0):
+    """Independently of the ledger: the Gaussian mechanism of multiplier z over the stream, dp_accounting's
+    tree event for a single participation, per-participation Poisson-sampled Gaussians when amplified."""
+    k = math.ceil(T / b)
+    if rate < 1:
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z * sens)), k)
+    elif strategy == "tree" and k == 1:
+        acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_SPECIAL)
+        acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z * sens, [T]))
+        return acc.get_epsilon(delta)
+    else:
+        event = dp_accounting.GaussianDpEvent(z)
+    acc = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant(value_discretization_interval=1e-3)
+    acc.compose(event)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("strategy,m,sampling", [(s, 5, "cyclic") for s in STRATEGIES] +
+                         [("tree", 2, "cyclic"), ("banded", 5, "amplified_cyclic")])
+def test_ledger_epsilon_equals_dp_accounting(tmp_path, strategy, m, sampling, accountant):
+    from dpfl_lightning.plugins import PrivacyLedger
+
+    z, delta, T = 1.3, 1e-3, 6
+    kw = {"sampling_rate": 0.5} if sampling == "amplified_cyclic" else {}
+    tr, cn, _ = _run(tmp_path, strategy, rounds=T, m=m, sampling=sampling, z=z,
+                     plugins=[PrivacyLedger(delta=delta, accountant=accountant)], **kw)
+    b = math.ceil(20 / m)
+    expected = _dp_accounting_epsilon(strategy, z, cn.sensitivity, T, b, delta, accountant, kw.get("sampling_rate", 1))
+    assert tr.epsilon() == pytest.approx(expected, rel=1e-9)
+
+
+def test_target_epsilon_is_met(tmp_path):
+    cn = CorrelatedNoise("blt", target_epsilon=2.0, cache_dir=str(tmp_path / "c"))
+    tr, _, _ = _run(tmp_path, noise=cn)
+    assert 2.0 * 0.98 <= tr.epsilon() <= 2.0
+
+
+def _brute_sensitivity(C, b, k):
+    """max over every participation set (pairwise >= b apart, at most k) and sign pattern of ||C s||."""
+    T, best = C.shape[1], 0.0
+    for n in range(1, k + 1):
+        for S in itertools.combinations(range(T), n):
+            if any(j - i < b for i, j in zip(S, S[1:])):
+                continue
+            for signs in itertools.product((1.0, -1.0), repeat=n - 1):
+                v = C[:, S[0]] + sum(s * C[:, j] for s, j in zip(signs, S[1:]))
+                best = max(best, float(v.norm()))
+    return best
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_plugin_sensitivity_equals_brute_force(tmp_path, strategy):
+    T, m = 12, 7  # 20 clients in b = 3 groups
+    _, cn, _ = _run(tmp_path, strategy, rounds=T, m=m)
+    assert cn.min_sep == 3 and cn.k == 4
+    assert cn.sensitivity == pytest.approx(_brute_sensitivity(cn.strategy.C, 3, 4), rel=1e-9)
+
+
+# ------------------------------------------------------------------ the noise a zero-update run receives
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_zero_update_noise_has_the_predicted_covariance(tmp_path, strategy):
+    T, z = 8, 0.7
+    rec = Aggregates()
+    model = TinyClassifier(in_features=200, lr=0.0)  # zero updates: the model moves by the noise alone
+    start = None
+    tr, cn, out = _run(tmp_path, strategy, rounds=T, z=z, plugins=[rec], model=model, data=tiny_data(dim=200))
+    X = torch.stack(rec.sums)  # [T, d]: round t's noise (L Z)_t scale
+    scale = z * cn.sensitivity * 1.0
+    predicted = scale ** 2 * cn.strategy.covariance()
+    d = X.shape[1]
+    empirical = X @ X.T / d
+    tol = 5 * math.sqrt(2.0 / d)  # 5 standard errors of a variance estimate from d coordinates
+    diag = predicted.diagonal()
+    assert torch.allclose(empirical.diagonal() / diag, torch.ones(T, dtype=torch.float64), atol=tol)
+    norm = torch.sqrt(diag[:, None] * diag[None, :])
+    assert ((empirical - predicted).abs() / norm).max() < tol
+    total = float(X.sum(0).var(unbiased=False))
+    summed = scale ** 2 * mf.final_variance(cn.strategy, mf.prefix_sum(T), unit_sensitivity=True)
+    assert total == pytest.approx(summed, rel=tol)
+    del start, tr, out
+
+
+# ------------------------------------------------------------------ composition
+def test_noise_follows_the_adaptive_bound(tmp_path):
+    cn = CorrelatedNoise("banded", noise_multiplier=1.0, cache_dir=str(tmp_path / "c"))
+    tr = quiet_trainer(str(tmp_path / "r"), rounds=6, sampling="cyclic", clients_per_round=5,
+                       plugins=[AdaptiveClip(initial_clip=1.0, target_quantile=0.5, count_noise=2.0), cn])
+    tr.fit(TinyClassifier(), tiny_data())
+    clips = [h["clip_norm"] for h in tr.history]
+    assert len(set(clips)) > 1  # the bound moved
+    assert cn.scales == pytest.approx([cn.noise_multiplier * cn.sensitivity * c for c in clips], rel=1e-12)
+    assert tr.epsilon() < math.inf and "AdaptiveClip" in tr.ledger.describe()[0]
+
+
+def test_frozen_parameters_get_no_noise(tmp_path):
+    model = TinyClassifier(lr=0.0)
+    model.net[0].requires_grad_(False)
+    frozen_before = model.net[0].weight.detach().clone()
+    trainable_before = model.net[2].weight.detach().clone()
+    _run(tmp_path, "blt", model=model)
+    assert torch.equal(model.net[0].weight.detach(), frozen_before)
+    assert not torch.equal(model.net[2].weight.detach(), trainable_before)
+
+
+def test_fedexp_cdp_composes_and_local_variants_are_refused(tmp_path):
+    tr, _, _ = _run(tmp_path, "banded", plugins=[FedEXP("cdp")])
+    assert "FedEXP" in tr.ledger.describe()[0] and tr.epsilon() < math.inf
+    with pytest.raises(ConfigError):
+        _run(tmp_path, "banded", plugins=[FedEXP("ldp_gaussian")])
+
+
+# ------------------------------------------------------------------ secrecy and resume
+def _noise_bytes(x: torch.Tensor) -> list[bytes]:
+    v = x.reshape(-1)[:4]
+    return [v.double().numpy().tobytes(), v.float().numpy().tobytes()]
+
+
+def test_noise_state_never_written_and_resume_is_bit_identical(tmp_path):
+    full, cn, ref = _run(tmp_path / "a", "banded", rounds=6, checkpoint_every=3)
+    secrets = [b for t in cn._generator.state_tensors() for b in _noise_bytes(t)]
+    assert secrets
+    for root, _, files in os.walk(tmp_path / "a"):
+        for name in files:
+            if name.endswith(".json") and "cache" in root:
+                continue  # the factor (a function of T and b only)
+            data = open(os.path.join(root, name), "rb").read()
+            assert not any(s in data for s in secrets), os.path.join(root, name)
+    first = os.path.join(full.checkpoint_dir, "round-000003.ckpt")
+    cn2 = CorrelatedNoise("banded", noise_multiplier=1.0, cache_dir=str(tmp_path / "a" / "cache"))
+    resumed = quiet_trainer(str(tmp_path / "b"), rounds=6, sampling="cyclic", clients_per_round=5,
+                            plugins=[UpdateClipping(1.0), cn2])
+    out = resumed.fit(TinyClassifier(seed=5), tiny_data(), ckpt_path=first)
+    assert torch.equal(out.global_params, ref.global_params)
+    assert [h["epsilon"] for h in resumed.history] == [h["epsilon"] for h in full.history]
+
+
+def test_state_is_buffers_times_d_at_a_million_parameters():
+    from dpfl_lightning.privacy.correlated_noise import noise_generator
+    from dpfl_lightning.plugins.correlated_noise import build_strategy
+
+    d, T = 1_000_000, 16
+    for kind, rows in (("blt", 3), ("banded", 3)):
+        s = build_strategy(kind, mf.prefix_sum(T), 4, buffers=3)
+        gen = noise_generator(s, d, lambda t, r: torch.randn(r, d, dtype=torch.float64,
+                                                              generator=torch.Generator().manual_seed(t)))
+        for _ in range(6):
+            gen.next()
+        assert sum(t.numel() for t in gen.state_tensors()) == rows * d  # buffers x d; banded: (b - 1) x d

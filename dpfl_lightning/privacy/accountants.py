@@ -33,6 +33,7 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS, compute_epsilon
 
 from dpfl_lightning.errors import require
+from dpfl_lightning.privacy.discrete_accounting import DiscreteNoiseDpEvent, release_epsilon
 
 # dp_accounting warns (via absl) for every RDP order whose series does not converge; that order is
 # then excluded, which is what we want. Keep the console readable.
@@ -347,6 +348,10 @@ def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
             "must be a whole number of compositions >= 0", "count compositions (rounds, local steps) as integers")
     if release.stream is not None:
         return stream_epsilon(release, int(steps), delta, acc.name, pld_discretization)
+    if any(isinstance(e, DiscreteNoiseDpEvent) for e in release.events):  # integer noise: its own RDP curve
+        eps, note = release_epsilon(release.events, release.sampling, release.effective_rate, int(steps), delta)
+        return Epsilon(eps, "rdp", note or ("" if acc.name == "rdp" else
+                                            f"{acc.name} does not account integer noise: RDP upper bound"))
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:
         return Epsilon(math.inf, acc.name, "no noise")
     note = _unamplified(release)[1]

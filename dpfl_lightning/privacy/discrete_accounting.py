@@ -272,3 +272,47 @@ def choose_gamma(bits: int, clip: float, n: int, dim: int, local_std: float, mec
                           "use more bits, fewer clients per round or more noise")
     p = wrap(gamma)
     return GridChoice(gamma, bits, s, p, min(1.0, dim * p))
+
+
+# ------------------------------------------------------------------------------ as a ledger event
+@dataclass(frozen=True)
+class DiscreteNoiseDpEvent(dp_accounting.DpEvent):
+    """One round of integer noise summed under secure aggregation, as a ``dp_accounting`` event
+    carrying its RDP curve (:class:`DiscreteRdp`, in the units of the neighbouring relation it was
+    built for). ``dp_accounting``'s accountants do not compose it (a minimum of zCDP curves, and
+    nothing amplifies a ``ZCDpEvent`` by sampling there): :func:`release_epsilon` does, order by order."""
+
+    curve: DiscreteRdp
+
+
+def _event_rdp(event: dp_accounting.DpEvent, orders=ORDERS) -> np.ndarray:
+    """The unsampled RDP curve of one event at ``orders``: a :class:`DiscreteNoiseDpEvent`'s own,
+    any other through ``dp_accounting.rdp.RdpAccountant`` (Gaussian, zCDP, Laplace ...)."""
+    if isinstance(event, DiscreteNoiseDpEvent):
+        return event.curve.rdp(orders)
+    from dp_accounting import rdp as dp_rdp
+
+    acc = dp_rdp.RdpAccountant(orders=[float(a) for a in orders])
+    acc.compose(event)
+    return np.array(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the curve, to sum with the discrete one
+
+
+def release_rdp(events, sampling: str, rate: float, orders=ORDERS) -> np.ndarray:
+    """The RDP at integer ``orders`` of one release of ``events`` (applied to the same sample, so
+    their curves add) behind the run's sampling: Poisson at ``rate`` amplifies through Zhu & Wang's
+    Theorem 9 (:func:`poisson_subsampled_rdp`, add/remove); other samplings are not amplified
+    (an upper bound)."""
+    total = np.sum([_event_rdp(e, orders) for e in events], axis=0)
+    if sampling == "poisson" and rate < 1:
+        return poisson_subsampled_rdp(total, rate, orders)
+    return total
+
+
+def release_epsilon(events, sampling: str, rate: float, steps: int, delta: float) -> tuple[float, str]:
+    """``(epsilon, note)`` after ``steps`` releases of ``events`` (:func:`release_rdp` summed over the
+    steps, converted with ``dp_accounting``'s ``compute_epsilon``)."""
+    if steps == 0 or rate == 0:
+        return 0.0, ""
+    note = "" if sampling in ("poisson", "none") or rate >= 1 else \
+        f"no amplification by {sampling} sampling for integer noise: upper bound"
+    return epsilon_from_rdp(steps * release_rdp(events, sampling, rate), delta), note

@@ -44,7 +44,7 @@ import lightning as L
 from dpfl_lightning import FederatedTrainer
 from dpfl_lightning.data import SyntheticLogistic
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.federated.placement import available_cpus
 from dpfl_lightning import FederatedDataModule
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dpfl_lightning.errors import require
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, ServerOptimizer, UpdateClipping, UpdateNormalization
 from dpfl_lightning.plugins.adaptive_clipping import AdaptiveClip, update_noise_multiplier
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.plugins.fedexp import FedEXP as FedEXPPlugin
 from dpfl_lightning.plugins.privunit_randomizer import PrivUnitRandomizer
 from dpfl_lightning.plugins.scaffnew import ScaffNew as ScaffNewPlugin

@@ -53,6 +53,9 @@ MOVED = {
     "run.evaluation": "run.round_evaluation",
     "module.evaluation": "module.eval_pass",
     "run.reporting": "run.log_setup",
+    "comm.base": "comm.communicator",
+    "executor.base": "executor.interface",
+    "plugins.base": "plugins.callback",
 }
 
 

@@ -33,7 +33,7 @@ from dpfl_lightning.lightning.semantics import LightningRun
 from dpfl_lightning.tracking.loggers import RoundProgress
 from dpfl_lightning.module import FederatedLightningModule
 from dpfl_lightning.federated.plan import RoundPlan
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.run.preemption import Preempted, SignalWatch, finalize_mpi_at_exit, report_fit_failure
 from dpfl_lightning.run.reproducibility import python_config, warn_if_unseeded
 from dpfl_lightning.run.checkpointing import (RunCheckpoints, checkpoint_to_resume, open_version, planned_checkpoint_dir,

@@ -9,7 +9,7 @@ from torch import nn
 
 from dpfl_lightning import FederatedTrainer
 from dpfl_lightning.data import SyntheticLogistic
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 
 
 class TinyClassifier(L.LightningModule):

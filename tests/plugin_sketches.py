@@ -13,7 +13,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.federated.payload import Segment
 from dpfl_lightning.plugins import FederatedCallback, GaussianNoise, UpdateClipping
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, ORDER_LOCAL_TRAINING
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, ORDER_LOCAL_TRAINING
 from dpfl_lightning.privacy import privunit
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.federated.releases import MetricRelease

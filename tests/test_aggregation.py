@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpfl_lightning.federated.aggregation import PayloadAggregator
-from dpfl_lightning.comm.base import Communicator
+from dpfl_lightning.comm.communicator import Communicator
 from dpfl_lightning.federated.payload import PayloadLayout, Segment
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
 from helpers import TinyClassifier, quiet_trainer, tiny_data

@@ -15,7 +15,7 @@ from dpfl_lightning.cli import command as cli
 from dpfl_lightning.algorithms import DPFedAvg
 from dpfl_lightning.models import MLPClassifier
 from dpfl_lightning.plugins import (DPSGD, AdaptiveClip, FederatedCallback, GaussianNoise, UpdateClipping)
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE
 from dpfl_lightning.plugins.canary import CanaryClients
 from dpfl_lightning.privacy import audit
 from dpfl_lightning.privacy.mechanisms import Mechanism

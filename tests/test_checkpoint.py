@@ -11,7 +11,7 @@ from dpfl_lightning import ConfigError
 from dpfl_lightning.run import checkpoint_format as ckpt
 from dpfl_lightning.tracking import run_files
 from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.tracking.run_files import read_metrics
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

@@ -15,7 +15,7 @@ import pytest
 
 from dpfl_lightning.tracking.loggers import metrics_line, sync_hint
 from dpfl_lightning.plugins import GaussianNoise, PrivacyLedger, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.run.preemption import Preempted
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

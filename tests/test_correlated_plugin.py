@@ -18,7 +18,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.federated.sampling import ClientSampler
 from dpfl_lightning.plugins import AdaptiveClip, CorrelatedNoise, FedEXP, ServerOptimizer, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.privacy import matrix_factorization as mf
 from tests.helpers import TinyClassifier, quiet_trainer, tiny_data
 

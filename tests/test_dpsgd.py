@@ -13,7 +13,7 @@ from torch import nn
 from dpfl_lightning import ConfigError
 from dpfl_lightning.algorithms import PFL
 from dpfl_lightning.plugins import DPSGD
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.federated.releases import MetricRelease
 from dpfl_lightning.plugins import PrivacyLedger
 from helpers import AliasedInsideAWholeLayer, AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data

@@ -16,7 +16,7 @@ from torch import nn
 
 from dpfl_lightning import ConfigError
 from dpfl_lightning.plugins import DPSGD
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dpfl_lightning.comm import ExactSum, FloatSum, LocalCommunicator
-from dpfl_lightning.comm.base import Communicator
+from dpfl_lightning.comm.communicator import Communicator
 
 
 class SimulatedRanks(Communicator):

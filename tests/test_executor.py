@@ -266,7 +266,7 @@ def test_vmap_refuses_a_training_step_that_stops_local_training(log_dir):
 def test_the_run_freezes_its_set_up_objects_for_the_gc_and_unfreezes_them_after(log_dir):
     import gc
 
-    from dpfl_lightning.plugins.base import FederatedCallback
+    from dpfl_lightning.plugins.callback import FederatedCallback
 
     seen = []
 

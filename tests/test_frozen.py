@@ -11,7 +11,7 @@ from torch import nn
 import lightning as L
 from dpfl_lightning.algorithms import AdaptiveClipping, DPFedAvg, LDPFedEXP
 from dpfl_lightning.plugins import GaussianNoise, ServerOptimizer, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import quiet_trainer, tiny_data
 
 

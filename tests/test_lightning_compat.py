@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from dpfl_lightning import ConfigError, FederatedDataModule
 from dpfl_lightning.models import MLPClassifier
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data, torch_lrs
 
 DP_FEDAVG = lambda: [UpdateClipping(1.0), GaussianNoise(noise_multiplier=0.3)]  # noqa: E731

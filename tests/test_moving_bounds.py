@@ -15,7 +15,7 @@ from dpfl_lightning import ConfigError
 from dpfl_lightning.federated.payload import UPDATE
 from dpfl_lightning.plugins import (AdaptiveClip, FedEXP, GaussianNoise, PrivacyLedger, PrivUnitRandomizer,
                                     UpdateClipping)
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

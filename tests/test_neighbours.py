@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from dpfl_lightning import FederatedDataModule, FederatedTrainer
 from dpfl_lightning.plugins import AdaptiveClip, DPSGD, GaussianNoise, PrivacyLedger, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import TinyClassifier
 from neighbours import differences, written
 

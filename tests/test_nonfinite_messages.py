@@ -6,7 +6,7 @@ import torch
 
 from dpfl_lightning import FederatedDataModule, NonFiniteUpdateError
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import TinyClassifier, quiet_trainer
 
 ONE_BAD = "round 1: 1 client produced a non-finite (NaN/inf) update; nothing of this round was applied"

@@ -6,7 +6,7 @@ import pytest
 
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.federated.placement import balanced, owner
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 

@@ -13,7 +13,7 @@ import torch
 
 from dpfl_lightning.run import checkpoint_format as ckpt
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.run.preemption import Preempted, resume_command
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 

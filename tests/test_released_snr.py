@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 

@@ -15,7 +15,7 @@ from dpfl_lightning.run import checkpoint_format as ckpt
 from dpfl_lightning.run import log_setup as trainer_module
 from dpfl_lightning.algorithms import PFL, DPFedAvg, DPFedAvgLocal, DPNormFedAvg
 from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 PUBLIC = {"round", "epsilon", "noise_std", "clip_norm", "my_val_loss", "my_val_acc"}

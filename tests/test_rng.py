@@ -117,7 +117,7 @@ def test_successive_draws_of_a_stream_never_repeat_whatever_the_device(monkeypat
 def test_local_training_randomness_is_keyed_by_round_and_client(log_dir):
     """torch's global generator, which dropout and torch.rand in training_step draw from, is set for
     every client from (seed, round, client) alone: whichever clients trained before it."""
-    from dpfl_lightning.plugins.base import FederatedCallback
+    from dpfl_lightning.plugins.callback import FederatedCallback
 
     seen = {}
 

@@ -14,7 +14,7 @@ from scipy import stats
 
 from dpfl_lightning import rng
 from dpfl_lightning.plugins import DPSGD, GaussianNoise, PrivacyLedger, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import Recorder, TinyClassifier, quiet_trainer, tiny_data
 
 

@@ -15,7 +15,7 @@ from dpfl_lightning.algorithms import DPFedAvg
 from dpfl_lightning.comm import LocalCommunicator
 from dpfl_lightning.federated.payload import PayloadLayout, Segment
 from dpfl_lightning.plugins import SCAFFOLD, GaussianNoise, ScaffNew, ServerOptimizer, UpdateClipping
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 from helpers import quiet_trainer, tiny_data
 
 

@@ -28,7 +28,7 @@ _BASES = {
     "model": ("lightning.pytorch.LightningModule",),
     "data": ("dpfl_lightning.data.module.FederatedDataModule", "lightning.pytorch.LightningDataModule"),
     "trainer.algorithm": ("dpfl_lightning.algorithms.Algorithm",),
-    "trainer.plugins": ("dpfl_lightning.plugins.base.FederatedCallback",),
+    "trainer.plugins": ("dpfl_lightning.plugins.callback.FederatedCallback",),
     "trainer.loggers": ("lightning.pytorch.loggers.Logger",),
     "trainer.callbacks": ("lightning.pytorch.callbacks.Callback",),
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from dpfl_lightning.comm.base import Communicator
+from dpfl_lightning.comm.communicator import Communicator
 from dpfl_lightning.comm.exact_sum import ExactSum, FloatSum
 from dpfl_lightning.comm.local import LocalCommunicator
 from dpfl_lightning.comm.mpi import MPICommunicator

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from dpfl_lightning.comm.base import Communicator
+from dpfl_lightning.comm.communicator import Communicator
 
 
 def grid_exponent(max_abs: float, n_rows: int, headroom_bits: int = 0) -> int:

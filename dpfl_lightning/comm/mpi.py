@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dpfl_lightning.comm.base import Communicator
+from dpfl_lightning.comm.communicator import Communicator
 
 
 def _mpi():

@@ -6,7 +6,7 @@ Only the run and the trainer import it; an executor never sees the trainer.
 """
 
 from dpfl_lightning.executor.auto import AutoExecutor
-from dpfl_lightning.executor.base import ClientHooks, Executor, RoundWork, TrainedClient
+from dpfl_lightning.executor.interface import ClientHooks, Executor, RoundWork, TrainedClient
 from dpfl_lightning.executor.sequential import SequentialExecutor
 from dpfl_lightning.executor.vmap import VmapExecutor
 

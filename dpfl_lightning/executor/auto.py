@@ -24,7 +24,7 @@ import inspect
 import textwrap
 from typing import Any, Iterator
 
-from dpfl_lightning.executor.base import Executor, RoundWork, TrainedClient
+from dpfl_lightning.executor.interface import Executor, RoundWork, TrainedClient
 from dpfl_lightning.executor.sequential import SequentialExecutor
 from dpfl_lightning.executor.vmap import VmapExecutor
 

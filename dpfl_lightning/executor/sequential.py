@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch
 
-from dpfl_lightning.executor.base import Executor, RoundWork, TrainedClient
+from dpfl_lightning.executor.interface import Executor, RoundWork, TrainedClient
 
 
 class SequentialExecutor(Executor):

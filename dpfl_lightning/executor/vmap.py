@@ -13,7 +13,7 @@ from torchmetrics import Metric
 
 from dpfl_lightning.module import optimizer_calls
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.executor.base import Executor, RoundWork, TrainedClient
+from dpfl_lightning.executor.interface import Executor, RoundWork, TrainedClient
 from dpfl_lightning.module import ClientRun, is_overridden, parse_optimizers, step_loss
 from dpfl_lightning.federated.plan import batch_shape
 

@@ -70,7 +70,7 @@ def _hook_overridden(cb: Callback, hook: str) -> bool:
 
 def check_callbacks(callbacks: list[Any]) -> None:
     """Refuse, with the reason, every callback that cannot work at the round level."""
-    from dpfl_lightning.plugins.base import FederatedCallback
+    from dpfl_lightning.plugins.callback import FederatedCallback
 
     for cb in callbacks:
         name = type(cb).__name__

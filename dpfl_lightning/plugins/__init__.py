@@ -18,7 +18,7 @@ _LAZY = {
     "CorrelatedNoise": "dpfl_lightning.plugins.correlated_noise",
     "DPSGD": "dpfl_lightning.plugins.dpsgd",
     "FedEXP": "dpfl_lightning.plugins.fedexp",
-    "FederatedCallback": "dpfl_lightning.plugins.base",
+    "FederatedCallback": "dpfl_lightning.plugins.callback",
     "GaussianNoise": "dpfl_lightning.plugins.gaussian_noise",
     "PrivUnitRandomizer": "dpfl_lightning.plugins.privunit_randomizer",
     "PrivacyLedger": "dpfl_lightning.plugins.privacy_ledger",

@@ -52,7 +52,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE, Segment, trainable_part
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, FederatedCallback
 from dpfl_lightning.plugins.sensitivity import scale_to_norm_
 from dpfl_lightning.privacy.audit import Estimate, LowerBound, gaussian_fit_estimate, one_run_lower_bound
 from dpfl_lightning.privacy.audit_bounds import NOISE_BLOCKS, GdpBound, NoiseCheck, gdp_lower_bound, noise_check

@@ -44,7 +44,7 @@ from dpfl_lightning.federated import frozen
 from dpfl_lightning.federated.payload import UPDATE
 from dpfl_lightning.federated.releases import MetricRelease
 from dpfl_lightning.federated.sampling import CYCLIC
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
 from dpfl_lightning.privacy import matrix_factorization as mf

@@ -35,7 +35,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.data.module import record_sampling_rate
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_LOCAL_TRAINING, FederatedCallback
 from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
 from dpfl_lightning.privacy.guarantees import guarantees

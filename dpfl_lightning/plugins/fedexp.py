@@ -39,7 +39,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.federated import frozen
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE, Segment
-from dpfl_lightning.plugins.base import ORDER_SERVER_STEP, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_SERVER_STEP, FederatedCallback
 from dpfl_lightning.plugins.setup_checks import check_uniform_weighting
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.federated.releases import MetricRelease

@@ -40,7 +40,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.federated import frozen
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.privacy.mechanisms import PLACEMENTS, Mechanism
 from dpfl_lightning.federated.releases import MetricRelease

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from dpfl_lightning.errors import ConfigError, require
-from dpfl_lightning.plugins.base import ORDER_LEDGER, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_LEDGER, FederatedCallback
 from dpfl_lightning.privacy.accountants import PLD_DISCRETIZATION, accountant_used, create_accountant, epsilon
 from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, guarantees
 from dpfl_lightning.privacy.mechanisms import Mechanism

@@ -21,7 +21,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE, Segment
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.privacy import privunit
 from dpfl_lightning.privacy.mechanisms import Mechanism
 

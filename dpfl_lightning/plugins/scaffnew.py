@@ -43,7 +43,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.errors import require
 from dpfl_lightning.federated.payload import UPDATE, full_update
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.plugins.control_variate_state import (ClientVectors, FlatGrads, held_placement, print_privacy_line,
                                                           state_note)
 from dpfl_lightning.plugins.setup_checks import check_plain_sgd, check_raw_model_difference, check_uniform_weighting

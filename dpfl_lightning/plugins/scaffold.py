@@ -68,7 +68,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE, Segment, full_update
-from dpfl_lightning.plugins.base import ORDER_LOCAL_TRAINING, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_LOCAL_TRAINING, FederatedCallback
 from dpfl_lightning.plugins.control_variate_state import (ClientVectors, FlatGrads, client_level_placements, held_placement,
                                                           print_privacy_line, state_note)
 from dpfl_lightning.plugins.scaffold_commit import SCAFFOLDCommit

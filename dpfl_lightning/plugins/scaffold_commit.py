@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from dpfl_lightning.plugins.base import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
 
 
 class SCAFFOLDCommit(FederatedCallback):

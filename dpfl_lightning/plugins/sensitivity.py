@@ -14,7 +14,7 @@ import torch
 
 from dpfl_lightning.errors import require
 from dpfl_lightning.federated.payload import UPDATE, Segment
-from dpfl_lightning.plugins.base import ORDER_BOUND_SENSITIVITY, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_BOUND_SENSITIVITY, FederatedCallback
 from dpfl_lightning.federated.releases import MetricRelease
 
 _SHRINK = 1.0 - 2.0**-20

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpfl_lightning.errors import require
-from dpfl_lightning.plugins.base import ORDER_SERVER_OPTIMIZER, FederatedCallback
+from dpfl_lightning.plugins.callback import ORDER_SERVER_OPTIMIZER, FederatedCallback
 
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 _BLOCK = 1 << 20

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 
 FORMAT = 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpfl_lightning.plugins.base import FederatedCallback
+from dpfl_lightning.plugins.callback import FederatedCallback
 
 HOOKS = ("before_round", "on_client_start", "on_before_optimizer_step", "wrap_optimizer", "on_client_end",
          "on_client_released", "on_aggregate", "on_server_update", "on_round_end", "on_fit_start", "on_fit_end",

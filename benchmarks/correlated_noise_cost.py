@@ -6,6 +6,13 @@ central draw (independent noise, the same stream kind), at the model's ``d``. Al
 to optimise the factor (``banded``, ``blt``; cached on disk afterwards) and the secret state's size.
 
     OMP_NUM_THREADS=1 python benchmarks/correlated_noise_cost.py [--rounds 100] [--groups 10] [--threads 1]
+
+``--study`` runs issue 32's study instead (configs/ftrl_*.yaml's task: the quickstart's digits, 200
+clients, 5 cyclic groups of 40, ``--rounds`` rounds): final test accuracy over ``--seeds`` seeds at
+epsilon 1, 3, 10 (delta 1e-4) for independent noise, tree, banded and BLT under cyclic participation,
+amplified banded (Poisson 0.5 inside the group), and DP-FedAvg with Poisson sampling (q = 0.2):
+
+    OMP_NUM_THREADS=1 python benchmarks/correlated_noise_cost.py --study --rounds 30 --seeds 3
 """
 
 from __future__ import annotations
@@ -35,13 +42,67 @@ def per_round(fn, rounds: int) -> float:
     return (time.perf_counter() - start) / rounds
 
 
+STUDY = {  # name: (trainer sampling settings, noise plugin factory)
+    "independent": ({"sampling": "cyclic"}, lambda eps: ("CorrelatedNoise", "independent", eps)),
+    "tree": ({"sampling": "cyclic"}, lambda eps: ("CorrelatedNoise", "tree", eps)),
+    "banded": ({"sampling": "cyclic"}, lambda eps: ("CorrelatedNoise", "banded", eps)),
+    "blt": ({"sampling": "cyclic"}, lambda eps: ("CorrelatedNoise", "blt", eps)),
+    "amplified banded": ({"sampling": "amplified_cyclic", "sampling_rate": 0.5},
+                         lambda eps: ("CorrelatedNoise", "banded", eps)),
+    "DP-FedAvg Poisson": ({"sampling": "poisson", "sampling_rate": 0.2}, lambda eps: ("GaussianNoise", None, eps)),
+}
+
+
+def study_run(name: str, eps: float, seed: int, rounds: int) -> tuple[float, float]:
+    """(final test accuracy, the ledger's epsilon) of one run of the study."""
+    import lightning as L
+
+    from dpfl_lightning import FederatedTrainer
+    from dpfl_lightning.data import Digits
+    from dpfl_lightning.models import MLPClassifier
+    from dpfl_lightning.plugins import CorrelatedNoise, GaussianNoise, UpdateClipping
+
+    sampling, noise = STUDY[name]
+    kind, strategy, target = noise(eps)
+    plugin = CorrelatedNoise(strategy, target_epsilon=target, delta=1e-4) if kind == "CorrelatedNoise" else \
+        GaussianNoise(target_epsilon=target, delta=1e-4)
+    L.seed_everything(seed, verbose=False)
+    trainer = FederatedTrainer(rounds=rounds, clients_per_round=40 if sampling["sampling"] != "poisson" else None,
+                               local_epochs=2, batch_size=8, seed=seed, eval_every=rounds, test_after_fit=True,
+                               plugins=[UpdateClipping(1.0), plugin], log_dir=tempfile.mkdtemp(),
+                               enable_progress_bar=False, enable_summary=False, num_threads=1, **sampling)
+    trainer.fit(MLPClassifier(in_features=64, hidden=[64], num_classes=10, lr=0.5),
+                Digits(num_clients=200, partition="iid"))
+    return float(trainer.final_metrics["test_acc"]), trainer.epsilon()
+
+
+def study(rounds: int, seeds: int) -> None:
+    import statistics
+    import warnings
+
+    warnings.simplefilter("ignore")
+    print(f"| method (T = {rounds}, 5 groups) | eps 1 | eps 3 | eps 10 |")
+    print("|---|---|---|---|")
+    for name in STUDY:
+        cells = []
+        for eps in (1.0, 3.0, 10.0):
+            accs = [study_run(name, eps, seed, rounds)[0] for seed in range(seeds)]
+            cells.append(f"{statistics.mean(accs):.3f} +- {statistics.pstdev(accs):.3f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--study", action="store_true")
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--groups", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.study:
+        study(args.rounds, args.seeds)
+        return
     d = sum(p.numel() for p in cnn().parameters())
     random, T = rng.RandomSource(0), args.rounds
     aggregate = torch.zeros(d)

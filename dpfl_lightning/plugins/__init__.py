@@ -17,6 +17,7 @@ _LAZY = {
     "ClientContext": "dpfl_lightning.plugins.contexts",
     "CorrelatedNoise": "dpfl_lightning.plugins.correlated_noise",
     "DPSGD": "dpfl_lightning.plugins.dpsgd",
+    "DiscreteDistributedNoise": "dpfl_lightning.plugins.discrete_distributed_noise",
     "FedEXP": "dpfl_lightning.plugins.fedexp",
     "FederatedCallback": "dpfl_lightning.plugins.callback",
     "GaussianNoise": "dpfl_lightning.plugins.gaussian_noise",

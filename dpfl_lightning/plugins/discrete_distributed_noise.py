@@ -1,0 +1,298 @@
+"""DiscreteDistributedNoise: distributed DP as secure aggregation can run it -- integer noise shares,
+sums modulo ``2^bits``, pairwise masks, dropouts.
+
+Mechanisms: the distributed discrete Gaussian (Kairouz, Liu, Steinke, ICML 2021; exact sampler of
+Canonne, Kamath, Steinke, NeurIPS 2020) or the Skellam mechanism (Agarwal, Kairouz, Liu, NeurIPS
+2021); masks of SecAgg (Bonawitz et al., CCS 2017) or SecAgg+ (Bell et al., CCS 2020).
+
+Stages of a client (after :class:`UpdateClipping` bounds its update by ``C``): clip to ``C`` again
+(float64); rotate (randomized Walsh-Hadamard, padding to ``D``, a power of two, keyed by the round's
+*public* key); divide by the granularity ``gamma``; unbiased randomized rounding, redone until the
+integer vector's L2 norm is within Kairouz et al.'s inflated bound (so the sensitivity holds with
+certainty; ``beta`` only sets how often a rounding is redone); add the client's noise share; reduce
+modulo ``2^bits``; add the SecAgg masks (``secagg=True``). The row leaves the client as 16-bit
+limbs in the payload segment ``integer_sum``; the client's float ``update`` segment is zeroed, so
+the plain float aggregate carries nothing of it. A *dropped* client's row never reaches the sum.
+
+Server: the limbs' exact sum (the trainer's all-reduce; bit-identical for any number of ranks,
+:mod:`dpfl_lightning.comm.modular_sum`) back to residues modulo ``2^bits``; the dropped clients' masks
+removed with the survivors' Shamir shares; signed integers times ``gamma``; the inverse rotation.
+That estimate of the survivors' sum becomes the round's update sum before the server step; the
+mean divides it by the trainer's denominator times ``1 - dropout`` (public constants).
+
+Noise and threat model (audience ``client_distributed``: a server that sees only the modular sum;
+every client in the sum added its share). ``noise_multiplier=z`` sets the total standard deviation
+``sigma = z C`` of the noise in the sum. Each client adds a share of variance ``sigma^2 / m``, with
+``m = min_survivors`` the fewest survivors a round tolerates: every round that runs has at least ``m``
+shares in its sum, so at least the accounted noise (more shares are independent extra noise:
+post-processing). A round with fewer survivors is skipped (``on_too_few="skip"``: nothing of it is
+applied; the ledger still counts it) or stops the run (``"raise"``). The unit is one client's whole
+update; the sensitivity is the rounding's bound (L2, and its L1 bound), in grid units; replace-one
+doubles both. Accounting: Kairouz et al.'s RDP bound (with its ``tau`` term) for ``m`` discrete
+Gaussians, or Agarwal et al.'s Skellam bound, as a :class:`~dpfl_lightning.privacy.discrete_accounting.DiscreteNoiseDpEvent`
+that the ledger composes (per participation towards the server; per round, amplified under Poisson
+sampling by Zhu & Wang's bound, towards model observers).
+
+The modulus: ``gamma`` is the finest grid for which a coordinate of the sum of up to ``n_max``
+clients (the cohort's size, or a ``1 - 1e-12`` quantile of it under Poisson sampling) leaves
+``[-2^(bits-1), 2^(bits-1))`` with probability below ``wraparound_target`` (Chernoff bound from the
+settings alone); :attr:`wraparound_rate` (per coordinate) and the round's union bound, logged as
+``wraparound_bound``, are functions of the settings, never measured on clients' data. A bit width
+that cannot hold the sum is refused.
+
+Randomness: the noise from the client's ``CLIENT_NOISE`` stream (secure mode: the CSPRNG, with the
+exact integer sampler -- no floating-point attack on the noise exists: the noise is an integer drawn
+from its exact distribution), the rounding's coins from a stream of their own, dropouts keyed by
+(seed, round, client), the rotation by (seed, round). In simulation mode the masks' keys come from
+the keyed source, so every rank rebuilds the protocol and the masks protect nothing towards who
+knows the seed (they reproduce the arithmetic, failures and cost); in secure mode they are X25519
+keys from the OS, and the protocol runs on one rank (more are refused).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from scipy import stats
+
+from dpfl_lightning import rng
+from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.federated.payload import UPDATE, Segment
+from dpfl_lightning.federated.releases import MetricRelease
+from dpfl_lightning.federated.secure_sum import IntegerSumRound, IntegerSumSettings, StageTimes, row_length
+from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
+from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
+from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
+from dpfl_lightning.privacy import discrete_accounting as da
+from dpfl_lightning.privacy.mechanisms import Mechanism
+from dpfl_lightning.privacy.quantization import padded_dim
+
+SEGMENT = "integer_sum"
+ROTATION = rng.register_purpose("DiscreteDistributedNoise.rotation", private=False)  # public per-round key
+ROUNDING = rng.register_purpose("DiscreteDistributedNoise.rounding")
+COHORT_TAIL = 1e-12  # the cohort sizes the modulus is sized for: all but this tail
+SURVIVOR_TAIL = 1e-6  # default min_survivors: rounds skipped with at most this probability
+
+
+def cohort_law(sampler) -> tuple[int, float]:
+    """``(trials, p)``: the round's cohort size is Binomial(trials, p) (``p = 1``: fixed)."""
+    kind = sampler.kind
+    if kind == "poisson":
+        return sampler.num_clients, sampler.sampling_rate
+    if kind == "amplified_cyclic":
+        return sampler.clients_per_round, sampler.rate
+    if kind in ("uniform", "cyclic"):
+        return sampler.clients_per_round, 1.0
+    return sampler.num_clients, 1.0
+
+
+class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
+    """Integer noise shares summed modulo ``2^bits`` under secure aggregation (module docstring).
+
+    Args:
+        mechanism: ``"discrete_gaussian"`` or ``"skellam"``.
+        noise_multiplier: ``z``: the noise in the sum has standard deviation ``z C`` a coordinate (at
+            least ``min_survivors`` shares); or ``target_epsilon`` (with ``delta``, ``accountant``).
+        bits: the modulus ``2^bits`` (1..62).
+        beta: the conditional rounding's parameter (Kairouz et al.: ``exp(-1/2)``).
+        secagg: mask the rows (SecAgg; ``neighbours=k``: SecAgg+'s k-regular graph; ``threshold``: t).
+        dropout: each client's row is lost with this probability (keyed by seed, round, client).
+        min_survivors: the fewest survivors a round tolerates (shares are sized for it); default
+            the ``1e-6`` quantile of the survivors' count, from the sampler and ``dropout``.
+        on_too_few: ``"skip"`` a round with fewer survivors, or ``"raise"``.
+        wraparound_target: the per-coordinate wrap-around probability ``gamma`` is chosen for.
+    """
+
+    order = ORDER_ADD_NOISE
+
+    def __init__(self, mechanism: str = "discrete_gaussian", noise_multiplier: float | None = None,
+                 target_epsilon: float | None = None, delta: float | None = None, accountant: str = "rdp",
+                 bits: int = 16, beta: float = math.exp(-0.5), secagg: bool = True, neighbours: int | None = None,
+                 threshold: int | None = None, dropout: float = 0.0, min_survivors: int | None = None,
+                 on_too_few: str = "skip", wraparound_target: float = 1e-9) -> None:
+        require(mechanism in da.MECHANISMS, "DiscreteDistributedNoise.mechanism", mechanism, "unknown mechanism",
+                f"use one of {da.MECHANISMS}")
+        require((noise_multiplier is None) != (target_epsilon is None), "DiscreteDistributedNoise",
+                {"noise_multiplier": noise_multiplier, "target_epsilon": target_epsilon},
+                "exactly one of noise_multiplier and target_epsilon must be set", "pass noise_multiplier=... or "
+                "target_epsilon=... (with delta)")
+        check_noise_multiplier("DiscreteDistributedNoise", noise_multiplier, False)
+        self.check_target_epsilon("DiscreteDistributedNoise", target_epsilon)
+        require(isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 62,
+                "DiscreteDistributedNoise.bits", bits, "must be an integer in 1..62", "use e.g. 16, 20 or 32")
+        require(0 <= beta < 1, "DiscreteDistributedNoise.beta", beta, "must be in [0, 1)", "use exp(-0.5)")
+        require(0 <= dropout < 1, "DiscreteDistributedNoise.dropout", dropout, "must be in [0, 1)", "use e.g. 0.1")
+        require(min_survivors is None or (isinstance(min_survivors, int) and min_survivors >= 1),
+                "DiscreteDistributedNoise.min_survivors", min_survivors, "must be an integer >= 1",
+                "give the fewest survivors a round tolerates, or leave it unset")
+        require(on_too_few in ("skip", "raise"), "DiscreteDistributedNoise.on_too_few", on_too_few,
+                "unknown policy", "use 'skip' or 'raise'")
+        require(0 < wraparound_target < 1, "DiscreteDistributedNoise.wraparound_target", wraparound_target,
+                "must be in (0, 1)", "use e.g. 1e-9")
+        self.mechanism, self.noise_multiplier, self.target_epsilon = mechanism, noise_multiplier, target_epsilon
+        self.delta, self.accountant, self.bits, self.beta = delta, accountant, bits, beta
+        self.secagg, self.neighbours, self.threshold, self.dropout = secagg, neighbours, threshold, dropout
+        self.min_survivors, self.on_too_few, self.wraparound_target = min_survivors, on_too_few, wraparound_target
+        self._bound = None
+        self._round: IntegerSumRound | None = None
+        self._skip = False
+        self.stage_seconds: list[StageTimes] = []  # per round on this rank (timing: never logged in a DP run)
+        self.skipped_rounds: list[int] = []
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, *, ctx) -> None:
+        require(ctx.weighting == "uniform", "trainer.weighting", ctx.weighting, "the secure sum is an unweighted "
+                "sum of clients' rows", "use weighting='uniform' with DiscreteDistributedNoise")
+        self._bound = ctx.norm_bound((UPDATE,), before=self)
+        if self._bound is None:
+            raise ConfigError("DiscreteDistributedNoise", self.mechanism, "integer noise is sized to a norm bound on "
+                              "the update and no UpdateClipping or UpdateNormalization bounds it before the noise",
+                              "add UpdateClipping(C) to the plugins before DiscreteDistributedNoise")
+        moving = ctx.moving_bound((UPDATE,), before=self)
+        if moving is not None:
+            raise ConfigError("DiscreteDistributedNoise", moving, "the grid gamma and the modulus are fixed at set-up "
+                              "for one norm bound, and this plugin moves it every round",
+                              "use a fixed UpdateClipping(C) with DiscreteDistributedNoise")
+        if self.secagg and ctx.secure and ctx.world_size > 1:
+            raise ConfigError("DiscreteDistributedNoise.secagg", True, "in secure mode the masks' keys are drawn from "
+                              "the OS on the rank that trains each client, and the key exchange between ranks is "
+                              "not part of the plugin hooks", "run secure secure-aggregation runs on one rank, or "
+                              "set secagg=False (the guarantee assumes secure aggregation either way)")
+        self._d = ctx.module.num_parameters if ctx.module is not None else ctx.num_parameters
+        require(self._d is not None, "DiscreteDistributedNoise", "num_parameters", "the update's size is unknown",
+                "give the model (or its parameter count) when planning")
+        self._padded = padded_dim(self._d)
+        trials, p = cohort_law(ctx.sampler)
+        self._n_max = max(1, int(stats.binom.ppf(1 - COHORT_TAIL, trials, p))) if p < 1 else trials
+        if self.min_survivors is None:
+            keep = p * (1 - self.dropout)
+            self.min_survivors = trials if keep >= 1 else max(1, int(stats.binom.ppf(SURVIVOR_TAIL, trials, keep)))
+        require(self.min_survivors <= trials, "DiscreteDistributedNoise.min_survivors", self.min_survivors,
+                f"exceeds the largest cohort the sampler draws ({trials})", f"use min_survivors <= {trials}")
+        if self.target_epsilon is not None:
+            if self.delta is None:
+                self.delta = ctx.privacy.default_delta("client")
+            self.noise_multiplier = 1.0  # a placeholder: the run calibrates it (see `calibration`)
+        self._configure()
+
+    def _configure(self) -> None:
+        """The grid and the shares for the current noise multiplier (all public settings)."""
+        c = self.clip
+        self.local_std = self.noise_multiplier * c / math.sqrt(self.min_survivors)
+        choice = da.choose_gamma(self.bits, c, self._n_max, self._padded, self.local_std, self.mechanism,
+                                 self.wraparound_target)
+        self.gamma = choice.gamma
+        s2 = (self.local_std / self.gamma) ** 2
+        self.noise_parameter = s2 if self.mechanism == "discrete_gaussian" else s2 / 2
+        self.wraparound_rate = choice.wraparound_per_coordinate
+        self.wraparound_round = choice.wraparound_any_coordinate
+        # the accounting's share: sqrt of the parameter the sampler uses, rounded down (never above it)
+        self._accounted_std = self.gamma * math.sqrt(s2) * (1 - 1e-12)
+
+    @property
+    def clip(self) -> float:
+        """The norm bound ``C`` in force (set-up)."""
+        assert self._bound is not None, "setup() has not run"
+        return float(self._bound())
+
+    @property
+    def calibration(self) -> tuple[float, float, str] | None:
+        return None if self.target_epsilon is None else (self.target_epsilon, self.delta, self.accountant)
+
+    def use_noise_multiplier(self, z: float) -> None:
+        self.noise_multiplier = float(z)
+        self._configure()
+
+    def settings(self) -> IntegerSumSettings:
+        return IntegerSumSettings(self.mechanism, self.bits, self.gamma, self.beta, self.clip, self.noise_parameter,
+                                  self.secagg, self.neighbours, self.threshold, self.dropout)
+
+    def payload_segments(self, *, ctx) -> list[Segment]:
+        return [Segment(SEGMENT, row_length(self.bits, self._padded), "model", "DiscreteDistributedNoise")]
+
+    def curves(self) -> tuple[da.DiscreteRdp, da.DiscreteRdp]:
+        """One round's RDP curves (add/remove, replace-one) of ``min_survivors`` shares."""
+        add = da.round_rdp(self.mechanism, self.clip, self.gamma, self._padded, self.beta, self._accounted_std,
+                           self.min_survivors)
+        s = self._accounted_std / self.gamma
+        if self.mechanism == "discrete_gaussian":
+            rep = da.ddg_rdp(2 * add.l2, 2 * add.l1, s, self.min_survivors, self._padded)
+        else:
+            rep = da.skellam_rdp(2 * add.l2, 2 * add.l1, self.min_survivors * s * s / 2)
+        return add, rep
+
+    def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
+        add, rep = self.curves()
+        what = (f"{'distributed discrete Gaussian' if self.mechanism == 'discrete_gaussian' else 'Skellam'} noise "
+                f"(z={self.noise_multiplier:.4g}, {self.min_survivors}+ shares, modulo 2^{self.bits}, "
+                f"gamma={self.gamma:.3g})")
+        return [Mechanism("DiscreteDistributedNoise", "client", "distributed", da.DiscreteNoiseDpEvent(add),
+                          da.DiscreteNoiseDpEvent(rep), self.clip, (UPDATE, SEGMENT), what,
+                          noise_multiplier=self.noise_multiplier)]
+
+    def released_metrics(self, *, ctx) -> list[MetricRelease]:
+        return [MetricRelease("noise_std", "public", "DiscreteDistributedNoise", "the accounted noise std in the sum"),
+                MetricRelease("wraparound_bound", "public", "DiscreteDistributedNoise",
+                              "bound on the chance that a coordinate of a round's sum wraps (settings alone)")]
+
+    def value_bound(self, *, segment: str, bound: float | None) -> float | None:
+        if segment == SEGMENT:
+            return float((1 << 16) - 1)
+        return bound  # the update segment leaves the client zeroed
+
+    def on_fit_start(self, *, ctx) -> None:
+        if ctx.is_global_zero:
+            self.warn_if_useless("DiscreteDistributedNoise", self.noise_multiplier, self.clip,
+                                 "raise target_epsilon, sample more clients per round, or train fewer rounds")
+
+    # ------------------------------------------------------------------ a round
+    def before_round(self, *, plan, server) -> None:
+        t0 = time.perf_counter()
+        dim = self._d if plan.trainable is None else int(plan.trainable.sum())
+        key = server.random.key(plan.round_idx, rng.SERVER_CLIENT, ROTATION)
+        self._round = r = IntegerSumRound(self.settings(), plan.round_idx, tuple(plan.cohort), dim, server.random, key)
+        need = max(self.min_survivors, r.secagg.threshold if r.secagg is not None else 1)
+        self._skip = len(r.survivors) < need or (self.secagg and len(plan.cohort) < 2)
+        if self._skip:
+            if self.on_too_few == "raise":
+                raise RuntimeError(f"DiscreteDistributedNoise: round {plan.round_idx + 1} has fewer surviving clients "
+                                   f"than the {need} it tolerates (min_survivors / the SecAgg threshold); nothing of "
+                                   "it was applied. Fix: lower min_survivors or dropout, sample more clients, or set "
+                                   "on_too_few='skip'")
+            self.skipped_rounds.append(plan.round_idx)
+        r.times.per_client["setup"] = time.perf_counter() - t0
+
+    def on_client_end(self, *, client) -> None:
+        r = self._round
+        update = client.payload[UPDATE]
+        if not self._skip:
+            noise = client.random.stream(client.round_idx, client.client, rng.CLIENT_NOISE,
+                                         tag="DiscreteDistributedNoise")
+            coins = client.random.stream(client.round_idx, client.client, ROUNDING)
+            limbs = r.client_row(client.client, update, noise, coins)
+            if limbs is not None:
+                client.payload[SEGMENT][: limbs.numel()].copy_(limbs)
+        update.zero_()  # the float update never leaves the client
+
+    def on_aggregate(self, *, server) -> None:
+        agg = server.aggregate
+        if self._skip:
+            agg.denominator = 0.0  # nothing of this round is applied
+            return
+        total = self._round.decode_sum(agg[SEGMENT])
+        target = agg.sums[UPDATE]
+        trainable = server.plan.trainable
+        if trainable is None or total.numel() == target.numel():
+            target.copy_(total)
+        else:
+            target.zero_()
+            target[trainable] = total.to(target.dtype)
+        agg.denominator *= 1.0 - self.dropout
+
+    def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
+        metrics["noise_std"] = self._accounted_std * math.sqrt(self.min_survivors)
+        metrics["wraparound_bound"] = self.wraparound_round
+        if self._round is not None:
+            self.stage_seconds.append(self._round.times)

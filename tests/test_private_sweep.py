@@ -1,0 +1,356 @@
+"""``dpfl sweep`` with private selection (Papernot & Steinke), the admissibility of a DP sweep's metric,
+the privacy of what a sweep releases in ``dpfl report``, and ``dpfl privacy plan --selection``.
+
+Most tests run fake trials (a script that writes a run's files like ``dpfl fit``) and plan each point
+with a planner written here (Gaussian releases without sampling), so that they take a second; one test
+runs real ``dpfl fit`` DP runs. Expected epsilons come from ``dp_accounting``'s ``RdpAccountant`` on
+``RepeatAndSelectDpEvent`` / composed events built in the test."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from dp_accounting import dp_event as dpe
+from dp_accounting.rdp import RdpAccountant
+
+from dpfl_lightning import rng
+from dpfl_lightning.errors import ConfigError
+from dpfl_lightning.privacy.accountants import GaussianRelease
+from dpfl_lightning.privacy.selection import draw_trial_count, trial_count
+from dpfl_lightning.privacy.selection_accounting import Trial
+from dpfl_lightning.tracking import private_sweep, sweep
+from dpfl_lightning.tracking.sweep_privacy import RunPrivacy
+
+DELTA = 1e-5
+NOISE = "trainer.algorithm.init_args.noise_multiplier"
+ROUNDS = 10
+AUDIENCE = "towards anyone who sees the models"
+
+# A fake `dpfl fit`: writes <log_dir>/<run_name>/version_0/{metrics.csv, hparams.yaml, release_kinds.json};
+# its score is a function of lr and seed; FAIL_ONCE=<path> makes the first run fail (and creates the path).
+FAKE_FIT = r'''
+import json, os, sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+marker = os.environ.get("FAIL_ONCE")
+if marker and not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.exit(3)
+root = os.path.join(args["trainer.log_dir"], args["trainer.run_name"], "version_0")
+os.makedirs(root, exist_ok=True)
+lr, seed = float(args.get("model.init_args.lr", 1)), int(args.get("trainer.seed", 0))
+score = 1.0 / (1.0 + abs(lr - 0.3)) + (seed % 97) * 1e-6
+with open(os.path.join(root, "metrics.csv"), "w") as f:
+    f.write("round,test_acc,train_loss\n1,%r,%r\n" % (score, 1 - score))
+with open(os.path.join(root, "hparams.yaml"), "w") as f:
+    f.write("privacy:\n  delta: 1.0e-05\n")
+kinds = {"round": "public", "test_acc": "evaluation", "train_loss": "unaccounted"}
+with open(os.path.join(root, "release_kinds.json"), "w") as f:
+    json.dump({"kinds": kinds, "evaluation_from_clients": False}, f)
+'''
+
+
+def gaussian_planner(secure: bool = False, rounds: int = ROUNDS):
+    """Each point: ``rounds`` unsampled Gaussians of the point's noise multiplier (``NOISE``, default 2)."""
+
+    def plan(arguments, label):
+        args = dict(a[2:].split("=", 1) for a in arguments if a.startswith("--") and "=" in a)
+        z = float(args.get(NOISE, 2.0))
+        one = Trial(((GaussianRelease(z), rounds),), label)
+        return RunPrivacy((one,), AUDIENCE, "client", DELTA, "rdp", secure, z)
+
+    return plan
+
+
+def write_sweep(tmp_path, parameters, selection=None, metric="test_acc"):
+    script = tmp_path / "fake_fit.py"
+    script.write_text(FAKE_FIT)
+    spec = {"name": "ps", "method": "grid", "metric": {"name": metric, "goal": "maximize"},
+            "command": ["${interpreter}", str(script), "fit", "${args}"], "parameters": parameters}
+    if selection is not None:
+        spec["private_selection"] = selection
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
+
+
+def run_private(path, directory, seed=0, planner=None, **options):
+    s = sweep.load_sweep(path)
+    count = private_sweep.selection_setting(s, options.pop("selection", None))
+    opts = private_sweep.Options(str(directory), planner or gaussian_planner(), seed=seed, **options)
+    out = io.StringIO()
+    return private_sweep.run_private(s, count, opts, out), out.getvalue()
+
+
+def rdp_selected(z: float, rounds: int, mean: float, shape: float, delta: float = DELTA) -> float:
+    acc = RdpAccountant()
+    acc.compose(dpe.RepeatAndSelectDpEvent(dpe.SelfComposedDpEvent(dpe.GaussianDpEvent(z), rounds), mean, shape))
+    return acc.get_epsilon(delta)
+
+
+def seed_with_count(selection, want, secure=False):
+    """A sweep seed whose simulation draws ``want(K)`` (computed with the sampler itself, independently
+    of the sweep)."""
+    for seed in range(200):
+        k = draw_trial_count(rng.RandomSource(seed), trial_count(selection))
+        if want(k):
+            return seed, k
+    raise AssertionError("no seed")
+
+
+# ------------------------------------------------------------------------------ items 1 and 2
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+def test_private_selection_releases_only_the_best_trial_and_its_guarantee(tmp_path):
+    selection = {"distribution": "poisson", "mean": 3}
+    seed, k = seed_with_count(selection, lambda k: k >= 3)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3, 0.9]}}, selection)
+    info, console = run_private(path, tmp_path / "sw", seed=seed)
+    with open(tmp_path / "sw" / "private" / "selection_state.json") as f:
+        state = json.load(f)
+    assert state["count"] == k and len(state["trials"]) == k
+    # every trial ran with the point and seed drawn for it; the best by test_acc is released
+    scores = {}
+    for t in state["trials"]:
+        with open(tmp_path / "sw" / "private" / "runs" / t["name"] / "version_0" / "metrics.csv") as f:
+            scores[t["name"]] = float(f.read().splitlines()[1].split(",")[1])
+    best = max(state["trials"], key=lambda t: scores[t["name"]])
+    assert info["result"] == "selected" and info["value"] == scores[best["name"]]
+    assert info["parameters"] == {"model.init_args.lr": [0.1, 0.3, 0.9][best["point"]]}
+    released = tmp_path / "sw" / "released"
+    assert sorted(os.listdir(released)) == ["runs", "selection.json", "summary.md"]
+    assert os.listdir(released / "runs") == ["selected"]
+    # the guarantee: RepeatAndSelect over the trial's event, as dp_accounting computes it
+    expected = rdp_selected(2.0, ROUNDS, 3, float("inf"))
+    assert info["guarantee"]["epsilon_selected"] == pytest.approx(expected, rel=1e-6)
+    summary = (released / "summary.md").read_text()
+    assert f"{expected:.4g}" in summary and AUDIENCE in summary and f"{DELTA:g}" in summary
+    assert f"{expected:.4g}" in console and AUDIENCE in console  # the console says it too
+    # K and the other trials are released nowhere: no trial's name, no count
+    text = "".join(p.read_text(errors="replace") for p in released.rglob("*") if p.is_file()) + console
+    assert all(t["name"] not in text for t in state["trials"] if t is not best)
+    assert '"count"' not in (released / "selection.json").read_text()
+    assert "trial-" not in console  # no progress line names a trial
+
+
+def test_trials_draw_points_uniformly_with_replacement(tmp_path):
+    selection = {"distribution": "poisson", "mean": 40}
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection)
+    s = sweep.load_sweep(path)
+    space = private_sweep.space_of(s)
+    state = private_sweep.draw_state(rng.RandomSource(5), trial_count(selection), len(space.points))
+    points = [t["point"] for t in state["trials"]]
+    assert state["count"] == draw_trial_count(rng.RandomSource(5), trial_count(selection))
+    assert set(points) == {0, 1} and len(points) > 2  # both points, repeated: with replacement
+    assert len({t["seed"] for t in state["trials"]}) == len(points)  # each trial its own seed
+
+
+def test_zero_trials_release_nothing_and_say_so(tmp_path):
+    selection = {"distribution": "poisson", "mean": 1}
+    seed, _ = seed_with_count(selection, lambda k: k == 0)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection)
+    info, console = run_private(path, tmp_path / "sw", seed=seed)
+    assert info["result"] == "nothing"
+    assert "Nothing is released" in console and "number of trials drawn was 0" in console
+    assert not os.path.exists(tmp_path / "sw" / "released" / "runs")
+    assert not os.path.exists(tmp_path / "sw" / "private" / "runs")  # no trial ran
+
+
+def test_secure_trials_draw_k_from_the_csprng_and_a_resumed_sweep_does_not_redraw(tmp_path, monkeypatch):
+    selection = {"distribution": "geometric", "mean": 4}
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3, 0.9]}}, selection)
+    monkeypatch.setenv("FAIL_ONCE", str(tmp_path / "failed-once"))
+    info, console = run_private(path, tmp_path / "sw", planner=gaussian_planner(secure=True))
+    assert info is None and "a trial failed" in console  # nothing released yet
+    assert not os.path.exists(tmp_path / "sw" / "released")
+    with open(tmp_path / "sw" / "private" / "selection_state.json") as f:
+        first = json.load(f)
+    assert oct(os.stat(tmp_path / "sw" / "private" / "selection_state.json").st_mode & 0o777) == "0o600"
+
+    def no_new_secret():
+        raise AssertionError("the resumed sweep drew a new secret")
+
+    monkeypatch.setattr(rng, "new_secret", no_new_secret)
+    info, _ = run_private(path, tmp_path / "sw", planner=gaussian_planner(secure=True))
+    with open(tmp_path / "sw" / "private" / "selection_state.json") as f:
+        assert json.load(f) == first  # K and the trials kept
+    assert info["result"] == "selected"
+    assert sorted(os.listdir(tmp_path / "sw" / "private" / "runs")) == sorted(t["name"] for t in first["trials"])
+    # secure draws: two fresh sweeps of the same seed draw different trials (not reproducible)
+    monkeypatch.undo()
+    states = []
+    for i in range(2):
+        s = sweep.load_sweep(path)
+        states.append(private_sweep.load_or_draw(str(tmp_path / f"fresh{i}"), "f", True, 0, trial_count(selection), 3))
+    assert states[0]["trials"] != states[1]["trials"]
+
+
+def test_a_changed_sweep_is_not_redrawn_in_the_same_directory(tmp_path):
+    selection = {"distribution": "poisson", "mean": 2}
+    seed, _ = seed_with_count(selection, lambda k: k >= 1)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection)
+    run_private(path, tmp_path / "sw", seed=seed)
+    with pytest.raises(ConfigError, match="another private-selection sweep"):
+        run_private(path, tmp_path / "sw", seed=seed + 1)
+
+
+# ------------------------------------------------------------------------------ the worst case
+def test_noise_in_the_space_gives_the_worst_case_and_names_it(tmp_path):
+    selection = {"distribution": "truncated_negative_binomial", "mean": 4, "shape": 0.5}
+    path = write_sweep(tmp_path, {NOISE: {"values": [1.0, 3.0]}, "model.init_args.lr": {"values": [0.1]}}, selection)
+    s = sweep.load_sweep(path)
+    space = private_sweep.space_of(s)
+    private_sweep.plan_space(s, space, gaussian_planner(), {})
+    g = private_sweep.guarantee_of(space, trial_count(selection), None)
+    assert g.selected.epsilon == pytest.approx(rdp_selected(1.0, ROUNDS, 4, 0.5), rel=1e-6)
+    assert g.selected.epsilon > rdp_selected(3.0, ROUNDS, 4, 0.5) * 1.5
+    assert g.selected.worst == f"{NOISE}=1.0" and "noise_multiplier=1.0" in g.lines()[0]
+
+
+def test_a_space_that_cannot_be_listed_or_that_sets_the_seed_is_refused(tmp_path):
+    selection = {"distribution": "poisson", "mean": 2}
+    path = write_sweep(tmp_path, {"trainer.seed": {"values": [0, 1]}}, selection)
+    with pytest.raises(ConfigError, match="draws its own seed"):
+        run_private(path, tmp_path / "sw")
+    spec = yaml.safe_load(open(path))
+    spec.update(method="random", parameters={"model.init_args.lr": {"min": 0.1, "max": 0.5}})
+    open(path, "w").write(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match="must be listed"):
+        run_private(path, tmp_path / "sw")
+
+
+# ------------------------------------------------------------------------------ item 3
+def test_a_metric_from_clients_data_is_refused_for_selection(tmp_path):
+    selection = {"distribution": "poisson", "mean": 3}
+    seed, _ = seed_with_count(selection, lambda k: k >= 2)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection, metric="train_loss")
+    with pytest.raises(ConfigError, match="train_loss.*'unaccounted'.*Fix:"):
+        run_private(path, tmp_path / "sw", seed=seed)
+    ran = os.listdir(tmp_path / "sw" / "private" / "runs")
+    assert len(ran) == 1  # refused after the first trial, before the others
+    assert not os.path.exists(tmp_path / "sw" / "released")
+
+
+def _fit_sweep(tmp_path, algorithm, metric, extra=None):
+    base = {"trainer": {"rounds": 1, "clients_per_round": 4, "batch_size": 16, "enable_progress_bar": False,
+                        "enable_summary": False, "test_after_fit": True, "algorithm": algorithm, **(extra or {})},
+            "model": {"class_path": "dpfl_lightning.models.MLPClassifier",
+                      "init_args": {"in_features": 64, "hidden": [8], "num_classes": 10}},
+            "data": {"class_path": "dpfl_lightning.data.Digits", "init_args": {"num_clients": 8}}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"method": "grid", "metric": {"name": metric, "goal": "maximize"},
+            "command": ["${interpreter}", "-m", "dpfl_lightning", "fit", "--config", str(tmp_path / "base.yaml"),
+                        "${args}"], "parameters": {"model.init_args.lr": {"values": [0.5]}}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    return str(tmp_path / "sweep.yaml")
+
+
+DP = {"class_path": "dpfl_lightning.algorithms.DPFedAvg", "init_args": {"clip": 1.0, "noise_multiplier": 1.0}}
+
+
+def test_dp_sweeps_refuse_the_training_loss_and_accept_test_accuracy_non_dp_sweeps_are_unaffected(tmp_path):
+    """Real dpfl fit runs: the kind each run recorded decides, not the name."""
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    loss = _fit_sweep(tmp_path / "a", DP, "train_loss", {"log_client_metrics": True})
+    with pytest.raises(ConfigError, match="train_loss.*unaccounted"):
+        sweep.run(loss, directory=str(tmp_path / "a" / "sw"), out=io.StringIO())
+    acc = _fit_sweep(tmp_path / "b", DP, "test_acc")
+    (r,) = sweep.run(acc, directory=str(tmp_path / "b" / "sw"), out=io.StringIO())
+    assert r.status == "done" and r.metric is not None and not r.refused
+    plain = _fit_sweep(tmp_path / "c", {"class_path": "dpfl_lightning.algorithms.FedAvg"}, "train_loss")
+    (r,) = sweep.run(plain, directory=str(tmp_path / "c" / "sw"), out=io.StringIO())
+    assert r.status == "done" and not r.refused
+
+    # item 4: dpfl report on the DP sweep: one run and every run, from the runs' saved configs
+    from dpfl_lightning.cli.sweep_command import report_privacy
+    from dpfl_lightning.tracking.report import write_report
+
+    report = write_report(str(tmp_path / "b" / "sw"), "test_acc", epsilon="tuned", privacy=report_privacy)
+    section = report["privacy"]
+    with open(report["table"]) as f:
+        table = f.read()
+    assert "Privacy of what the sweep releases" in table and f"{section['one_run']:.4g}" in table
+    assert os.path.exists(os.path.join(os.path.dirname(report["table"]), "test_acc_vs_epsilon_tuned.png"))
+    assert section["all_runs"] == pytest.approx(section["one_run"])  # one run: releasing all is that run
+
+
+# ------------------------------------------------------------------------------ item 5
+def test_target_epsilon_calibrates_the_trials_noise_including_selection(tmp_path):
+    selection = {"distribution": "poisson", "mean": 4}
+    seed, _ = seed_with_count(selection, lambda k: k >= 1)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection)
+    info, _ = run_private(path, tmp_path / "sw", seed=seed, target_epsilon=4.0, delta=DELTA)
+    z = info["parameters"][NOISE]
+    assert rdp_selected(z, ROUNDS, 4, float("inf")) <= 4.0  # dp_accounting: the target is met ...
+    assert rdp_selected(z * 0.98, ROUNDS, 4, float("inf")) > 4.0  # ... with little noise to spare
+    assert "calibrated" in info["guarantee"]["calibration"]
+    with pytest.raises(ConfigError, match="unreachable"):
+        run_private(path, tmp_path / "sw2", seed=seed, target_epsilon=0.004, delta=DELTA)  # below the floor, 0.00486
+
+
+# ------------------------------------------------------------------------------ item 6
+def test_wandb_sweep_gets_the_drawn_count_and_random_draws_from_the_grid(tmp_path, monkeypatch):
+    import subprocess
+
+    import wandb
+
+    selection = {"distribution": "poisson", "mean": 3}
+    seed, k = seed_with_count(selection, lambda k: k >= 1)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection)
+    calls = {}
+    monkeypatch.setattr(wandb, "sweep", lambda config, project=None, entity=None: calls.update(config=config) or "abc")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.update(agent=cmd))
+
+    class Run:
+        summary: dict = {}
+
+        def finish(self):
+            calls["finished"] = True
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: calls.update(init=kw) or Run())
+    info, _ = run_private(path, tmp_path / "sw", seed=seed, wandb=True)
+    assert calls["agent"] == ["wandb", "agent", "--count", str(k), "abc"]
+    assert calls["config"]["method"] == "random" and "private_selection" not in calls["config"]
+    assert calls["config"]["parameters"]["model.init_args.lr"] == {"values": [0.1, 0.3]}
+    assert Run.summary["epsilon_selected"] == pytest.approx(rdp_selected(2.0, ROUNDS, 3, float("inf")), rel=1e-6)
+    assert Run.summary["audience"] == AUDIENCE and calls["finished"]
+
+
+# ------------------------------------------------------------------------------ one real sweep
+def test_a_real_private_selection_sweep_and_its_report(tmp_path):
+    selection = {"distribution": "poisson", "mean": 2}
+    seed, _ = seed_with_count(selection, lambda k: k == 1)
+    base = {"trainer": {"rounds": 2, "batch_size": 16, "enable_progress_bar": False, "enable_summary": False,
+                        "test_after_fit": True, "algorithm": DP},
+            "model": {"class_path": "dpfl_lightning.models.MLPClassifier",
+                      "init_args": {"in_features": 64, "hidden": [8], "num_classes": 10}},
+            "data": {"class_path": "dpfl_lightning.data.Digits", "init_args": {"num_clients": 8}}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"method": "grid", "metric": {"name": "test_acc", "goal": "maximize"}, "private_selection": selection,
+            "command": ["${interpreter}", "-m", "dpfl_lightning", "fit", "--config", str(tmp_path / "base.yaml"),
+                        "${args}"], "parameters": {"model.init_args.lr": {"values": [0.1, 0.5]}}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    from dpfl_lightning.cli import sweep_command
+
+    cfg = SimpleNamespace(sweep_file=str(tmp_path / "sweep.yaml"), dir=str(tmp_path / "sw"), seed=seed, jobs=1,
+                          mpi=None, private_selection=None, target_epsilon=None, delta=None, noise_setting=None,
+                          wandb=False)
+    assert sweep_command.run_sweep(cfg, out=io.StringIO()) == 0
+    with open(tmp_path / "sw" / "released" / "selection.json") as f:
+        g = json.load(f)["guarantee"]
+    # every client every round: 2 unsampled Gaussians of multiplier 1, at the ledger's delta (0.1 / 8 clients)
+    assert g["delta"] == 0.01
+    assert g["epsilon_selected"] == pytest.approx(rdp_selected(1.0, 2, 2, float("inf"), 0.01), rel=1e-6)
+    from dpfl_lightning.tracking.report import write_report
+
+    report = write_report(str(tmp_path / "sw"), "test_acc", privacy=sweep_command.report_privacy)
+    assert report["privacy"]["selected"] == pytest.approx(g["epsilon_selected"])
+    assert [r.label for r in report["groups"][0].runs] == ["selected"]  # only the released run is read

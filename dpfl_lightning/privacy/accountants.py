@@ -379,14 +379,20 @@ def stream_events(release: Release, rounds: int) -> list[tuple[dp_accounting.DpE
     client's data enters them in its group's rounds only), each with the relation it is defined in
     (a tree's event is ``REPLACE_SPECIAL``: one client's updates replaced by zeros, sensitivity ``C``,
     which is add/remove for a sum). Per-participation streams merge the others into each participation's
-    Gaussian, so that amplification (Poisson inside the group) covers them too."""
-    s, add = release.stream, NeighboringRelation.ADD_OR_REMOVE_ONE
-    k = s.participations(rounds)
-    if rounds == 0 or k == 0:
-        return []
+    Gaussian, so that amplification (Poisson inside the group) covers them too. A stream restarted on a
+    secure resume composes the events of each segment over its own rounds (``Stream.segments``)."""
     others = _effective_gaussian(release.events) if release.events else None
     if release.events and others is None:
         raise ValueError("a correlated-noise stream composes with Gaussian mechanisms only")
+    return [e for seg, n in release.stream.segments(rounds) for e in _segment_events(seg, others, n)]
+
+
+def _segment_events(s: Any, others: float | None,
+                    rounds: int) -> list[tuple[dp_accounting.DpEvent, NeighboringRelation]]:
+    add = NeighboringRelation.ADD_OR_REMOVE_ONE
+    k = s.participations(rounds)
+    if rounds == 0 or k == 0:
+        return []
     if s.kind == "participations":
         z = s.noise_multiplier if others is None else _effective_gaussian(
             (dp_accounting.GaussianDpEvent(s.noise_multiplier), dp_accounting.GaussianDpEvent(others)))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import dp_accounting
 
@@ -74,11 +75,38 @@ class Stream:
     restart_every: int = 0  # tree: rounds between restarts
     workload: str = "prefix"
     strategy: str = ""
+    #: a stream restarted at round ``start`` (a secure-mode resume cannot rebuild the noise state): ``before``
+    #: are the earlier segments from round 0 on, each accounted over its own ``rounds`` (this one's are
+    #: ``rounds`` from ``start``), ``replaces`` the stream in force when the checkpoint was written
+    start: int = 0
+    before: tuple = ()
+    replaces: Any = None
 
     def __post_init__(self) -> None:
         require(self.kind in STREAM_KINDS, "Stream.kind", self.kind, "unknown stream accounting", f"use {STREAM_KINDS}")
         require(self.kind == "participations" or self.rate >= 1, "Stream.rate", self.rate,
                 "amplification by sampling is accounted for per-participation streams only", "use rate=1")
+
+    def segments(self, r: int) -> list[tuple[Stream, int]]:
+        """Each segment with its rounds among the run's first ``r`` (the earlier ones, then this one)."""
+        out, at = [], 0
+        for seg in self.before:
+            out.append((seg, max(0, min(r - at, seg.rounds))))
+            at += seg.rounds
+        out.append((self, max(0, min(r - self.start, self.rounds))))
+        return [(s, n) for s, n in out if n > 0]
+
+    def describe(self) -> tuple[str, str]:
+        """The participation and the noise, in words (public settings only)."""
+        who = f"cyclic participation, rounds >= {self.min_sep} apart" + (
+            f", Poisson sampling q={self.rate:g} inside the group" if self.rate < 1 else ", no amplification")
+        per = {"gaussian": "one Gaussian over the stream", "participations": "a Gaussian per participation",
+               "tree": "a single-epoch tree aggregation event"}[self.kind]
+        noise = f"correlated noise ({self.strategy}, {per}), noise multiplier {self.noise_multiplier:.4g}"
+        if self.before:
+            noise += f"; restarted at round {self.start + 1} on a secure resume, {len(self.before) + 1} segments " \
+                "composed"
+        return who, noise
 
     def participations(self, r: int) -> int:
         """The most participations of one client in rounds ``0 .. r-1``."""

@@ -19,6 +19,7 @@ given.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -247,6 +248,8 @@ class PrivacyLedger(FederatedCallback):
             relation = {"add_remove": "add/remove", "replace_one": "replace-one"}[r.relation]
             z = r.noise_multiplier
             noise = f"noise multiplier {z:.4g}" if z is not None else "non-Gaussian release"
+            if r.stream is not None:  # correlated noise: the participation pattern and the stream's noise
+                sampling, noise = r.stream.describe()
             counted = ""
             if g.per_client:
                 counted = "; participations bounded by a binomial tail (secure mode)" if self.secure else \
@@ -300,7 +303,7 @@ class PrivacyLedger(FederatedCallback):
         self._pending = plan
 
     def on_fit_start(self, *, ctx) -> None:
-        if self._saved is not None and self._saved.get("releases") != self._releases():
+        if self._saved is not None and self._saved.get("releases") not in (self._releases(), self._releases(True)):
             raise ConfigError("resume", "privacy mechanism",
                               "the checkpoint's rounds were accounted for other releases (noise, sampling, clients "
                               "or delta) than this run's, so continuing would misreport epsilon",
@@ -331,8 +334,15 @@ class PrivacyLedger(FederatedCallback):
                             f"{self.budget:g} (delta={self.delta:g}); stopped after {self.rounds} rounds")
 
     # ------------------------------------------------------------------ state
-    def _releases(self) -> list:
-        return [(g.name, g.profiles) for g in self.guarantees] + [("delta", self.delta), ("secure", self.secure)]
+    def _releases(self, replaced: bool = False) -> list:
+        """What is accounted; ``replaced``: a correlated-noise stream restarted on a secure resume as the
+        stream it replaced (what the checkpoint's rounds were accounted for)."""
+        def was(p):
+            s = p.release.stream
+            return p if not replaced or s is None or s.replaces is None else \
+                dataclasses.replace(p, release=dataclasses.replace(p.release, stream=s.replaces))
+        return [(g.name, tuple(was(p) for p in g.profiles)) for g in self.guarantees] + \
+            [("delta", self.delta), ("secure", self.secure)]
 
     def state_dict(self) -> dict[str, Any]:
         # Secure mode: no per-client counts in checkpoints (two checkpoints would give a round's cohort).

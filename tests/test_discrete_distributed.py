@@ -233,3 +233,11 @@ def test_target_epsilon_is_met(tmp_path):
     noise = DiscreteDistributedNoise("skellam", target_epsilon=8.0, bits=24)
     trainer, _ = _fit(tmp_path, noise, rounds=2)
     assert trainer.history[-1]["epsilon"] <= 8.0 and trainer.history[-1]["epsilon"] > 7.0
+
+
+def test_dpfl_audit_of_a_discrete_noise_run_stays_below_the_ledger(tmp_path, capsys):
+    from dpfl_lightning.cli import command as cli
+
+    cli.main(["audit", "--config", "configs/ddp_quickstart.yaml", "--trainer.rounds", "2",  # exit 0: returns
+              "--trainer.test_after_fit", "false", "--trainer.log_dir", str(tmp_path), "--canaries", "60"])
+    assert "consistent: the canaries do not refute the ledger" in capsys.readouterr().out

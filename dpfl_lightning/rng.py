@@ -21,7 +21,9 @@ Keys are 128 bits (BLAKE2b of the four parts) and the generators really use all 
   as the sum of four Gaussians of half the standard deviation, the mitigation of floating-point
   attacks on Gaussian samplers that Opacus's secure mode uses (Holohan & Braghin 2021,
   arXiv:2107.10138; the attacks: Mironov 2012, Jin et al. 2022, arXiv:2112.05307). It is a
-  mitigation, not a proof: a discrete Gaussian on an integer grid would be the exact remedy.
+  mitigation, not a proof. The exact remedy is integer noise: ``DiscreteDistributedNoise`` draws the
+  discrete Gaussian or Skellam with exact samplers on these streams' uniform words
+  (:mod:`dpfl_lightning.privacy.discrete_noise`), where no floating-point attack applies.
   Secure streams cost ~20x torch's ``randn`` per normal on a CPU core (``benchmarks/rng_cost.py``).
 """
 

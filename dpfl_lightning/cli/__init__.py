@@ -3,9 +3,10 @@
 Owns: :mod:`~.command` (``dpfl`` and its subcommands, exit codes), :mod:`~.parsers` (the parsers, help
 from docstrings), :mod:`~.run_objects` (a parsed configuration to a run's objects),
 :mod:`~.parse_errors` (a parse error as one line), :mod:`~.help` and :mod:`~.help_data` (``--help``
-without torch; the data is generated), :mod:`~.privacy_command` (``dpfl privacy``) and
-:mod:`~.audit_command` (``dpfl audit``). ``dpfl sweep`` and ``dpfl report`` live in
-:mod:`dpfl_lightning.tracking`; ``dpfl validate | test | predict`` in :mod:`dpfl_lightning.run.lightning_eval`.
+without torch; the data is generated), :mod:`~.privacy_command` (``dpfl privacy``),
+:mod:`~.audit_command` (``dpfl audit``) and :mod:`~.sweep_command` (``dpfl sweep`` and ``dpfl report``
+with the privacy of what a sweep releases; the sweeps and reports themselves are in
+:mod:`dpfl_lightning.tracking`); ``dpfl validate | test | predict`` in :mod:`dpfl_lightning.run.lightning_eval`.
 
 May import: every other part of the package (it is the top). Nothing but ``__main__`` imports it.
 ``dpfl_lightning.cli`` was one module before the split: its names (``main`` ...) load from

@@ -15,7 +15,8 @@ from dpfl_lightning.comm import modular_sum
 from dpfl_lightning.comm.secagg import simulate_dropouts
 from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.federated.secure_sum import IntegerSumRound, IntegerSumSettings
-from dpfl_lightning.plugins import AdaptiveClip, DiscreteDistributedNoise, UpdateClipping
+from dpfl_lightning.plugins import (SCAFFOLD, AdaptiveClip, CorrelatedNoise, DiscreteDistributedNoise, FedEXP,
+                                    GaussianNoise, PrivUnitRandomizer, ScaffNew, UpdateClipping)
 from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.plugins.discrete_distributed_noise import SEGMENT
 from dpfl_lightning.privacy.quantization import clip_l2
@@ -241,3 +242,50 @@ def test_dpfl_audit_of_a_discrete_noise_run_stays_below_the_ledger(tmp_path, cap
     cli.main(["audit", "--config", "configs/ddp_quickstart.yaml", "--trainer.rounds", "2",  # exit 0: returns
               "--trainer.test_after_fit", "false", "--trainer.log_dir", str(tmp_path), "--canaries", "60"])
     assert "consistent: the canaries do not refute the ledger" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- pairings that would see zeros
+def _refused_beside(tmp_path, other, match, clip_segments=("update",), **kw):
+    """Set up DiscreteDistributedNoise next to ``other`` and expect the pairing's refusal."""
+    kw.setdefault("clients_per_round", 4)
+    plugins = [UpdateClipping(0.5, segments=list(clip_segments)), DiscreteDistributedNoise(noise_multiplier=0.5),
+               other]
+    with pytest.raises(ConfigError, match=match) as err:
+        quiet_trainer(str(tmp_path), rounds=1, plugins=plugins, **kw).fit(TinyClassifier(), tiny_data(num_clients=8))
+    assert "DiscreteDistributedNoise" in str(err.value)
+    return str(err.value)
+
+
+def test_scaffold_beside_integer_noise_is_refused_with_the_reason(tmp_path):
+    _refused_beside(tmp_path, SCAFFOLD(), "SCAFFOLD builds each c_i", clip_segments=("update", "dc"))
+
+
+def test_scaffnew_beside_integer_noise_is_refused_with_the_reason(tmp_path):
+    _refused_beside(tmp_path, ScaffNew(p=0.5), "ScaffNew builds each D_i", sampling="full")
+
+
+@pytest.mark.parametrize("variant", ["plain", "cdp"])
+def test_fedexp_beside_integer_noise_is_refused_with_the_reason(tmp_path, variant):
+    _refused_beside(tmp_path, FedEXP(variant=variant, sigma_xi=1.0 if variant == "cdp" else None),
+                    "FedEXP's step size reads each client's update norm")
+
+
+@pytest.mark.parametrize("placement", ["central", "distributed", "local"])
+def test_a_second_noise_on_the_update_is_refused(tmp_path, placement):
+    msg = _refused_beside(tmp_path, GaussianNoise(noise_multiplier=0.5, placement=placement),
+                          "accounted noise that never reaches the model")
+    assert "DiscreteDistributedNoise alone" in msg  # the fix
+
+
+def test_correlated_noise_and_privunit_beside_integer_noise_are_refused(tmp_path):
+    _refused_beside(tmp_path / "c", CorrelatedNoise("banded", noise_multiplier=0.5, bands=1), "CorrelatedNoise "
+                    "randomizes the update too", sampling="cyclic")
+    _refused_beside(tmp_path / "p", PrivUnitRandomizer(), "PrivUnitRandomizer randomizes the update too")
+
+
+def test_an_adaptive_clip_beside_integer_noise_is_refused_as_a_moving_bound(tmp_path):
+    plugins = [AdaptiveClip(initial_clip=0.5, count_noise=1.0), DiscreteDistributedNoise(noise_multiplier=0.5)]
+    with pytest.raises(ConfigError, match="moves it every round"):
+        quiet_trainer(str(tmp_path), rounds=1, clients_per_round=4, plugins=plugins).fit(
+            TinyClassifier(), tiny_data(num_clients=8))
+

@@ -33,6 +33,12 @@ Gaussians, or Agarwal et al.'s Skellam bound, as a :class:`~dpfl_lightning.priva
 that the ledger composes (per participation towards the server; per round, amplified under Poisson
 sampling by Zhu & Wang's bound, towards model observers).
 
+Pairings: the float ``update`` leaves every client as zeros, so a plugin that reads the released
+update (SCAFFOLD's ``c_i`` and ``dc``, ScaffNew's ``D_i``, FedEXP's norms) would see zeros, and
+another noise on the update would be on zeros or replaced by the decoded sum while still
+accounted: each is refused at set-up (:meth:`DiscreteDistributedNoise.check_pairings`); an adaptive
+clip is refused as a moving bound.
+
 The modulus: ``gamma`` is the finest grid for which a coordinate of the sum of up to ``n_max``
 clients (the cohort's size, or a ``1 - 1e-12`` quantile of it under Poisson sampling) leaves
 ``[-2^(bits-1), 2^(bits-1))`` with probability below ``wraparound_target`` (Chernoff bound from the
@@ -74,6 +80,37 @@ ROTATION = rng.register_purpose("DiscreteDistributedNoise.rotation", private=Fal
 ROUNDING = rng.register_purpose("DiscreteDistributedNoise.rounding")
 COHORT_TAIL = 1e-12  # the cohort sizes the modulus is sized for: all but this tail
 SURVIVOR_TAIL = 1e-6  # default min_survivors: rounds skipped with at most this probability
+FIX = "drop it, or use GaussianNoise(placement='distributed') (float shares) instead of DiscreteDistributedNoise"
+FIXES = {"GaussianNoise": "use one noise on the update: DiscreteDistributedNoise alone (GaussianNoise on other "
+                          "segments is fine)",
+         "CorrelatedNoise": "use one noise on the update: DiscreteDistributedNoise or CorrelatedNoise",
+         "PrivUnitRandomizer": "use one randomizer on the update: DiscreteDistributedNoise or PrivUnitRandomizer"}
+
+
+def paired_reason(plugin) -> str | None:
+    """Why ``plugin`` cannot run next to :class:`DiscreteDistributedNoise`, or ``None``."""
+    from dpfl_lightning.plugins.correlated_noise import CorrelatedNoise
+    from dpfl_lightning.plugins.fedexp import FedEXP
+    from dpfl_lightning.plugins.gaussian_noise import GaussianNoise
+    from dpfl_lightning.plugins.privunit_randomizer import PrivUnitRandomizer
+    from dpfl_lightning.plugins.scaffnew import ScaffNew
+    from dpfl_lightning.plugins.scaffold import SCAFFOLD
+
+    if isinstance(plugin, SCAFFOLD):
+        return ("SCAFFOLD builds each c_i from the dc and update the client released (on_client_released), and "
+                "dc would leave un-noised outside the integer sum")
+    if isinstance(plugin, ScaffNew):
+        return "ScaffNew builds each D_i from the update the client released (on_client_released), which would be 0"
+    if isinstance(plugin, FedEXP):
+        return ("FedEXP's step size reads each client's update norm after the noise, which would be 0 (eta_g stuck "
+                "at 1, or xi noise on nothing)")
+    if isinstance(plugin, GaussianNoise) and UPDATE in plugin.segments:
+        return ("GaussianNoise on the update would noise the zeroed float update or the sum the integer pipeline "
+                "replaces: accounted noise that never reaches the model")
+    if isinstance(plugin, (CorrelatedNoise, PrivUnitRandomizer)):
+        return (f"{type(plugin).__name__} randomizes the update too; its output would be zeroed or replaced by the "
+                "decoded sum while the ledger accounts it")
+    return None
 
 
 def cohort_law(sampler) -> tuple[int, float]:
@@ -176,6 +213,17 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
                 self.delta = ctx.privacy.default_delta("client")
             self.noise_multiplier = 1.0  # a placeholder: the run calibrates it (see `calibration`)
         self._configure()
+
+    def check_pairings(self, *, plugins: list, ctx) -> None:
+        """Refuse, at set-up, the plugins that would read the zeroed float update or put noise on it
+        that never reaches the sum (module docstring)."""
+        for other in plugins:
+            reason = paired_reason(other)
+            if reason is not None:
+                raise ConfigError("trainer.plugins", f"{type(other).__name__} with DiscreteDistributedNoise",
+                                  f"{reason}; DiscreteDistributedNoise sends each client's update only as an "
+                                  "integer row that the secure sum reveals summed, and zeroes the float update "
+                                  "before it leaves the client", FIXES.get(type(other).__name__, FIX))
 
     def _configure(self) -> None:
         """The grid and the shares for the current noise multiplier (all public settings)."""

@@ -35,3 +35,12 @@ def check_plain_sgd(owner: str, optimizer: torch.optim.Optimizer) -> None:
     if len(lrs) > 1:
         raise ConfigError(owner, f"param group lrs {lrs}", "the control-variate update divides the whole update by "
                           "one step size", "give every parameter group the same learning rate")
+
+
+def check_pairings(plugins: list, ctx: Any) -> None:
+    """Let every plugin with a ``check_pairings(plugins=..., ctx=...)`` method refuse the plugins it
+    cannot run beside (after every plugin's ``setup``, before calibration and the ledger)."""
+    for p in plugins:
+        check = getattr(p, "check_pairings", None)
+        if callable(check):
+            check(plugins=plugins, ctx=ctx)

@@ -34,6 +34,7 @@ from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
+from dpfl_lightning.plugins.setup_checks import check_pairings
 from dpfl_lightning.privacy.guarantees import Guarantee, guarantees
 from dpfl_lightning.privacy.planning import PrivacyPlanner
 from dpfl_lightning.federated.releases import MetricRelease, ReleaseList
@@ -171,6 +172,7 @@ def setup_plugins(plugins: list, ctx: SetupContext) -> tuple[list, PrivacyLedger
     for p in plugins:
         if p not in ledgers:
             p.setup(ctx=ctx)
+    check_pairings(plugins, ctx)
     calibrate_targets(plugins, ctx)
     collect_mechanisms(plugins, ctx)
     ctx.redeclare = lambda: collect_mechanisms(plugins, ctx)

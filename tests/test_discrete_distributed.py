@@ -289,3 +289,18 @@ def test_an_adaptive_clip_beside_integer_noise_is_refused_as_a_moving_bound(tmp_
         quiet_trainer(str(tmp_path), rounds=1, clients_per_round=4, plugins=plugins).fit(
             TinyClassifier(), tiny_data(num_clients=8))
 
+
+# ----------------------------------------------------------------------------- short rounds under hidden sampling
+def test_skipping_short_rounds_is_refused_under_poisson_sampling(tmp_path):
+    noise = DiscreteDistributedNoise(noise_multiplier=0.5, dropout=0.1, min_survivors=2, on_too_few="skip")
+    with pytest.raises(ConfigError, match="on_too_few.*reveals"):
+        _fit(tmp_path, noise, rounds=1, sampling="poisson", sampling_rate=0.5)
+
+
+def test_under_poisson_sampling_short_rounds_stop_the_run_by_default(tmp_path):
+    noise = DiscreteDistributedNoise(noise_multiplier=0.5, bits=20, dropout=0.5, min_survivors=5)
+    with pytest.raises(RuntimeError, match="fewer surviving clients"):  # 12 clients at rate 0.5, half drop
+        _fit(tmp_path, noise, rounds=6, sampling="poisson", sampling_rate=0.5)
+    # the stop's probability from the settings: rounds x P(Binomial(12, 0.25) < 5), written out here
+    tail = sum(math.comb(12, k) * 0.25**k * 0.75 ** (12 - k) for k in range(5))
+    assert noise.policy == "raise" and math.isclose(noise.shortfall_bound, min(1.0, 6 * tail), rel_tol=1e-9)

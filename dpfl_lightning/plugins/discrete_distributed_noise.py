@@ -33,6 +33,24 @@ Gaussians, or Agarwal et al.'s Skellam bound, as a :class:`~dpfl_lightning.priva
 that the ledger composes (per participation towards the server; per round, amplified under Poisson
 sampling by Zhu & Wang's bound, towards model observers).
 
+Skipping and hidden sampling: whether a round is short depends only on the cohort and the dropout
+coins, never on data. Under a fixed-size sampler (``uniform``, ``cyclic``, ``full``) the survivors'
+count is Binomial(cohort size, ``1 - dropout``) whoever is in the cohort, the same law for
+neighbouring datasets (add/remove or replace-one) and independent of whether the target client was
+sampled: coupled on these data-independent coins, a skip releases nothing about anyone, and a
+round that runs has at least ``m`` shares whatever survivor set it runs with, so its curve holds
+for the mixture (joint convexity). Under Poisson sampling (and
+``amplified_cyclic``) the cohort's *size* depends on whether the target client is in the
+population (add/remove), and the guarantee towards model observers is amplified by keeping the
+sampling hidden: a skipped round -- visible as a round where the model did not move -- reveals
+"the cohort was small", and at the threshold (``m - 1`` survivors without the client, ``m`` with
+it) the privacy loss of that bit is unbounded. The ledger does not account it, so ``"skip"`` is
+refused under these samplers and ``on_too_few`` defaults to ``"raise"`` there: the run stops
+before anything of the short round is applied. The stop is observable as well; it happens with
+probability at most :attr:`shortfall_bound` (rounds times the Binomial tail below
+``min_survivors``, from the settings alone), which is not in the ledger's ``delta``: keep it far
+below ``delta`` (a lower ``min_survivors``, fewer dropouts) or use a fixed-size sampler.
+
 Pairings: the float ``update`` leaves every client as zeros, so a plugin that reads the released
 update (SCAFFOLD's ``c_i`` and ``dc``, ScaffNew's ``D_i``, FedEXP's norms) would see zeros, and
 another noise on the update would be on zeros or replaced by the decoded sum while still
@@ -80,6 +98,7 @@ ROTATION = rng.register_purpose("DiscreteDistributedNoise.rotation", private=Fal
 ROUNDING = rng.register_purpose("DiscreteDistributedNoise.rounding")
 COHORT_TAIL = 1e-12  # the cohort sizes the modulus is sized for: all but this tail
 SURVIVOR_TAIL = 1e-6  # default min_survivors: rounds skipped with at most this probability
+HIDDEN_SIZE_SAMPLERS = ("poisson", "amplified_cyclic")  # the cohort's size is random and amplification hides it
 FIX = "drop it, or use GaussianNoise(placement='distributed') (float shares) instead of DiscreteDistributedNoise"
 FIXES = {"GaussianNoise": "use one noise on the update: DiscreteDistributedNoise alone (GaussianNoise on other "
                           "segments is fine)",
@@ -138,7 +157,9 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         dropout: each client's row is lost with this probability (keyed by seed, round, client).
         min_survivors: the fewest survivors a round tolerates (shares are sized for it); default
             the ``1e-6`` quantile of the survivors' count, from the sampler and ``dropout``.
-        on_too_few: ``"skip"`` a round with fewer survivors, or ``"raise"``.
+        on_too_few: ``"skip"`` a round with fewer survivors, or ``"raise"``; default ``"raise"``
+            under Poisson (and amplified cyclic) sampling, where ``"skip"`` is refused (module
+            docstring: the skip would reveal the hidden cohort's size), ``"skip"`` otherwise.
         wraparound_target: the per-coordinate wrap-around probability ``gamma`` is chosen for.
     """
 
@@ -148,7 +169,7 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
                  target_epsilon: float | None = None, delta: float | None = None, accountant: str = "rdp",
                  bits: int = 16, beta: float = math.exp(-0.5), secagg: bool = True, neighbours: int | None = None,
                  threshold: int | None = None, dropout: float = 0.0, min_survivors: int | None = None,
-                 on_too_few: str = "skip", wraparound_target: float = 1e-9) -> None:
+                 on_too_few: str | None = None, wraparound_target: float = 1e-9) -> None:
         require(mechanism in da.MECHANISMS, "DiscreteDistributedNoise.mechanism", mechanism, "unknown mechanism",
                 f"use one of {da.MECHANISMS}")
         require((noise_multiplier is None) != (target_epsilon is None), "DiscreteDistributedNoise",
@@ -164,7 +185,7 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         require(min_survivors is None or (isinstance(min_survivors, int) and min_survivors >= 1),
                 "DiscreteDistributedNoise.min_survivors", min_survivors, "must be an integer >= 1",
                 "give the fewest survivors a round tolerates, or leave it unset")
-        require(on_too_few in ("skip", "raise"), "DiscreteDistributedNoise.on_too_few", on_too_few,
+        require(on_too_few in (None, "skip", "raise"), "DiscreteDistributedNoise.on_too_few", on_too_few,
                 "unknown policy", "use 'skip' or 'raise'")
         require(0 < wraparound_target < 1, "DiscreteDistributedNoise.wraparound_target", wraparound_target,
                 "must be in (0, 1)", "use e.g. 1e-9")
@@ -202,17 +223,33 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
                 "give the model (or its parameter count) when planning")
         self._padded = padded_dim(self._d)
         trials, p = cohort_law(ctx.sampler)
+        self._check_too_few_policy(ctx.sampler.kind)
         self._n_max = max(1, int(stats.binom.ppf(1 - COHORT_TAIL, trials, p))) if p < 1 else trials
         if self.min_survivors is None:
             keep = p * (1 - self.dropout)
             self.min_survivors = trials if keep >= 1 else max(1, int(stats.binom.ppf(SURVIVOR_TAIL, trials, keep)))
         require(self.min_survivors <= trials, "DiscreteDistributedNoise.min_survivors", self.min_survivors,
                 f"exceeds the largest cohort the sampler draws ({trials})", f"use min_survivors <= {trials}")
+        keep = p * (1 - self.dropout)  # a round's survivors: Binomial(trials, keep)
+        need = max(self.min_survivors, self.threshold or 1)
+        self.shortfall_bound = min(1.0, ctx.rounds * float(stats.binom.cdf(need - 1, trials, keep)))
         if self.target_epsilon is not None:
             if self.delta is None:
                 self.delta = ctx.privacy.default_delta("client")
             self.noise_multiplier = 1.0  # a placeholder: the run calibrates it (see `calibration`)
         self._configure()
+
+    def _check_too_few_policy(self, kind: str) -> None:
+        """Default ``on_too_few`` by sampler; refuse ``"skip"`` where the sampling is hidden and random
+        in size (module docstring)."""
+        hidden = kind in HIDDEN_SIZE_SAMPLERS
+        self.policy = self.on_too_few or ("raise" if hidden else "skip")
+        if hidden and self.policy == "skip":
+            raise ConfigError("DiscreteDistributedNoise.on_too_few", "skip", f"under {kind} sampling the cohort's "
+                              "size depends on whether a client is in the population, and a skipped round reveals "
+                              "that it was small, which the amplified guarantee assumes hidden (the ledger does not "
+                              "account it)", "use on_too_few='raise' (the default here) with a min_survivors the "
+                              "run meets with near certainty, or a fixed-size sampler (sampling='uniform')")
 
     def check_pairings(self, *, plugins: list, ctx) -> None:
         """Refuse, at set-up, the plugins that would read the zeroed float update or put noise on it
@@ -304,11 +341,11 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         need = max(self.min_survivors, r.secagg.threshold if r.secagg is not None else 1)
         self._skip = len(r.survivors) < need or (self.secagg and len(plan.cohort) < 2)
         if self._skip:
-            if self.on_too_few == "raise":
+            if self.policy == "raise":
                 raise RuntimeError(f"DiscreteDistributedNoise: round {plan.round_idx + 1} has fewer surviving clients "
                                    f"than the {need} it tolerates (min_survivors / the SecAgg threshold); nothing of "
-                                   "it was applied. Fix: lower min_survivors or dropout, sample more clients, or set "
-                                   "on_too_few='skip'")
+                                   "it was applied. Fix: lower min_survivors or dropout, sample more clients, or (with "
+                                   "a fixed-size sampler) set on_too_few='skip'")
             self.skipped_rounds.append(plan.round_idx)
         r.times.per_client["setup"] = time.perf_counter() - t0
 

@@ -101,13 +101,85 @@ def test_momentum_needs_the_momentum_workload(tmp_path):
     assert len(tr.history) == 6 and cn.workload.name == mf.momentum(6, 0.9).name
 
 
-def test_secure_mode_resume_is_refused(tmp_path):
-    tr, _, _ = _run(tmp_path, "blt", secure=True, checkpoint_every=2)
-    cn = CorrelatedNoise("blt", noise_multiplier=1.0, cache_dir=str(tmp_path / "cache"))
-    again = quiet_trainer(str(tmp_path / "again"), rounds=6, sampling="cyclic", clients_per_round=5, secure=True,
-                          plugins=[UpdateClipping(1.0), cn])
-    with pytest.raises(ConfigError, match="secure mode cannot resume"):
-        again.fit(TinyClassifier(), tiny_data(), ckpt_path=os.path.join(tr.checkpoint_dir, "round-000002.ckpt"))
+def _secure_resume(tmp_path, strategy, ckpt, name, z):
+    cn = CorrelatedNoise(strategy, noise_multiplier=z, cache_dir=str(tmp_path / "cache"))
+    from dpfl_lightning.plugins import PrivacyLedger
+
+    tr = quiet_trainer(str(tmp_path / name), rounds=12, sampling="cyclic", clients_per_round=7, secure=True,
+                       checkpoint_every=5, plugins=[UpdateClipping(1.0), cn, PrivacyLedger(delta=1e-3,
+                                                                                           accountant="pld")])
+    with pytest.warns(UserWarning, match=r"secure-mode resume at round (6|11).*cannot be rebuilt"):
+        tr.fit(TinyClassifier(), tiny_data(), ckpt_path=ckpt)
+    return tr, cn
+
+
+def _gaussians_epsilon(zs, delta):
+    acc = pld.PLDAccountant(value_discretization_interval=1e-3)
+    for z in zs:
+        acc.compose(dp_accounting.GaussianDpEvent(z))
+    return acc.get_epsilon(delta)
+
+
+def _released(C, n):
+    """C's rows released by the first n rounds (a tree's nodes that end before n), on those rounds."""
+    return C[[i for i in range(C.shape[0]) if not C[i, n:].any()]][:, :n]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_secure_resume_restarts_the_mechanism_and_composes_the_segments(tmp_path, strategy):
+    """T = 12 rounds, 20 clients in b = 3 cyclic groups. Resumed at round 5, then at round 10: three
+    segments [0, 5), [5, 10), [10, 12), each a Gaussian of multiplier z sens(C_i) / sens(C_i's released
+    rows on the segment's rounds), sensitivities by brute force under the pattern restricted to them."""
+    from dpfl_lightning.plugins import PrivacyLedger
+
+    z, delta = 1.1, 1e-3
+    first = CorrelatedNoise(strategy, noise_multiplier=z, cache_dir=str(tmp_path / "cache"))
+    full = quiet_trainer(str(tmp_path / "a"), rounds=12, sampling="cyclic", clients_per_round=7, secure=True,
+                         checkpoint_every=5, plugins=[UpdateClipping(1.0), first,
+                                                      PrivacyLedger(delta=delta, accountant="pld")])
+    full.fit(TinyClassifier(), tiny_data())
+    C1 = first.strategy.C
+    assert first.sensitivity == pytest.approx(_brute_sensitivity(C1, 3, 4), rel=1e-9)
+    secrets = [b for t in first._generator.state_tensors() for b in _noise_bytes(t)]
+
+    second, cn2 = _secure_resume(tmp_path, strategy, os.path.join(full.checkpoint_dir, "round-000005.ckpt"), "b", z)
+    C2 = cn2.strategy.C
+    assert cn2.strategy.T == 7 and cn2.starts == [0, 5]
+    assert cn2.sensitivity == pytest.approx(_brute_sensitivity(C2, 3, 3), rel=1e-9)
+    assert cn2.scales[5:] == pytest.approx([z * cn2.sensitivity] * 7, rel=1e-12)
+    z1 = z * _brute_sensitivity(C1, 3, 4) / _brute_sensitivity(_released(C1, 5), 3, 2)
+    if strategy == "independent":
+        assert z1 == pytest.approx(z * math.sqrt(4 / 2), rel=1e-12)  # C = I: sqrt(participations)
+    # secure mode accounts the mechanisms at delta less its participation bound's tail (the ledger's rule)
+    dm = second.ledger.mechanism_delta
+    assert 0 < dm <= delta and full.epsilon() == pytest.approx(_gaussians_epsilon([z], dm), rel=1e-9)
+    assert second.epsilon() == pytest.approx(_gaussians_epsilon([z1, z], dm), rel=1e-9)
+    assert second.epsilon() != pytest.approx(full.epsilon(), rel=1e-3)
+    assert "restarted at round 6 on a secure resume, 2 segments" in second.ledger.describe()[0]
+    secrets += [b for t in cn2._generator.state_tensors() for b in _noise_bytes(t)]
+
+    third, cn3 = _secure_resume(tmp_path, strategy, os.path.join(second.checkpoint_dir, "round-000010.ckpt"), "c", z)
+    assert cn3.starts == [0, 5, 10] and cn3.strategy.T == 2
+    z2 = z * _brute_sensitivity(C2, 3, 3) / _brute_sensitivity(_released(C2, 5), 3, 2)
+    if strategy == "tree":  # the last 2 rounds: one participation, dp_accounting's tree event (RDP)
+        assert cn3.sensitivity == pytest.approx(_brute_sensitivity(cn3.strategy.C, 2, 1), rel=1e-9)
+        acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_SPECIAL)
+        for event in (dp_accounting.GaussianDpEvent(z1), dp_accounting.GaussianDpEvent(z2),
+                      dp_accounting.SingleEpochTreeAggregationDpEvent(z * cn3.sensitivity, [2])):
+            acc.compose(event)
+        expected = acc.get_epsilon(dm)
+    else:
+        expected = _gaussians_epsilon([z1, z2, z], dm)
+    assert third.epsilon() == pytest.approx(expected, rel=1e-9)
+    assert [h["epsilon"] for h in third.history][-1] == third.epsilon()
+    secrets += [b for t in cn3._generator.state_tensors() for b in _noise_bytes(t)]
+    assert secrets or strategy == "independent"  # C = I keeps no state
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            if name.endswith(".json") and "cache" in root:
+                continue  # factors: functions of T and b only
+            data = open(os.path.join(root, name), "rb").read()
+            assert not any(s in data for s in secrets), os.path.join(root, name)
 
 
 # ------------------------------------------------------------------ accounting
@@ -142,6 +214,20 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path, strategy, m, sampling, ac
     b = math.ceil(20 / m)
     expected = _dp_accounting_epsilon(strategy, z, cn.sensitivity, T, b, delta, accountant, kw.get("sampling_rate", 1))
     assert tr.epsilon() == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("sampling,words", [
+    ("cyclic", ["cyclic participation, rounds >= 4 apart, no amplification", "one Gaussian over the stream"]),
+    ("amplified_cyclic", ["cyclic participation, rounds >= 4 apart, Poisson sampling q=0.5 inside the group",
+                          "a Gaussian per participation"])])
+def test_printed_guarantee_names_the_participation_and_the_stream(tmp_path, capsys, sampling, words):
+    kw = {"sampling_rate": 0.5} if sampling == "amplified_cyclic" else {}
+    _run(tmp_path, "banded", sampling=sampling, enable_summary=True, **kw)
+    printed = capsys.readouterr()
+    line = next(x for x in (printed.out + printed.err).splitlines() if "client-level DP, central noise" in x)
+    for w in words + ["correlated noise (banded, ", "noise multiplier 1"]:
+        assert w in line, line
+    assert "no sampling" not in line and "non-Gaussian" not in line, line
 
 
 def test_target_epsilon_is_met(tmp_path):
@@ -233,7 +319,7 @@ def _noise_bytes(x: torch.Tensor) -> list[bytes]:
 def test_noise_state_never_written_and_resume_is_bit_identical(tmp_path):
     full, cn, ref = _run(tmp_path / "a", "banded", rounds=6, checkpoint_every=3)
     secrets = [b for t in cn._generator.state_tensors() for b in _noise_bytes(t)]
-    assert secrets
+    assert secrets or strategy == "independent"  # C = I keeps no state
     for root, _, files in os.walk(tmp_path / "a"):
         for name in files:
             if name.endswith(".json") and "cache" in root:

@@ -26,14 +26,20 @@ moves it) before it enters the mechanism's state, so every round's fresh rows ar
 Frozen parameters: the noise covers the trainable entries only (the count must not change during
 the run). The mechanism's state (the last ``bands - 1`` noise rows, the BLT's buffers, the tree's
 node estimates) is a secret: it is never checkpointed or logged. A resumed simulation rebuilds it
-from the keyed streams (bit for bit); secure mode cannot (the secret keying it is gone), so a
-secure-mode resume is refused.
+from the keyed streams (bit for bit). Secure mode cannot (the secret keying it is gone): a secure
+resume at round ``r`` restarts the mechanism with a new factorization of the same strategy for the
+remaining ``T - r`` rounds, and the ledger composes the segments, each over its own rounds with its
+own sensitivity under the participation pattern restricted to them (the first segment's release is
+``C[:r, :r] g + Z[:r]``, a Gaussian of multiplier ``z sens(C) / sens(C[:r, :r])``). The restart
+rounds are public (the checkpoint's round), and the run says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -51,6 +57,7 @@ from dpfl_lightning.privacy import matrix_factorization as mf
 from dpfl_lightning.privacy.correlated_noise import noise_generator
 from dpfl_lightning.privacy.mechanisms import Mechanism, Stream
 from dpfl_lightning.privacy.mf_optimize import banded, blt
+from dpfl_lightning.privacy.mf_sensitivity import sensitivity_details
 
 STRATEGIES = ("tree", "banded", "blt", "independent")
 AMPLIFIABLE = ("banded", "independent")
@@ -130,7 +137,10 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
         self.sensitivity_details = None
         self.scales: list[float] = []  # each round's std of Z's rows: public (z, sens and the bound in force)
         self._generator = None
-        self._restored = False
+        self.starts = [0]  # the rounds at which the mechanism (re)started: public (secure resumes)
+        self._before: tuple = ()  # the earlier segments' accounted streams
+        self._replaces = None  # the stream in force when the checkpoint was written
+        self._restart_note = ""
 
     # ------------------------------------------------------------------ set-up
     def setup(self, *, ctx) -> None:
@@ -150,22 +160,63 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
             raise ConfigError("CorrelatedNoise", self.strategy_name, "the noise is scaled to a norm bound on the "
                               "update, and no UpdateClipping or UpdateNormalization bounds it before the noise",
                               "add UpdateClipping(C) to the plugins")
-        self.T, self.groups = ctx.rounds, ctx.sampler.groups
-        self.min_sep, self.k = min(self.groups, self.T), -(-self.T // self.groups)
-        if self.bands is not None and self.bands > self.min_sep:
+        self.rounds, self.groups = ctx.rounds, ctx.sampler.groups
+        if self.bands is not None and self.bands > min(self.groups, self.rounds):
             raise ConfigError("CorrelatedNoise.bands", self.bands, f"a {self.bands}-banded C needs participations "
-                              f"at least {self.bands} rounds apart, and cyclic participation gives {self.min_sep}",
-                              f"set bands <= {self.min_sep}, or fewer clients_per_round (more groups)")
+                              f"at least {self.bands} rounds apart, and cyclic participation gives "
+                              f"{min(self.groups, self.rounds)}", f"set bands <= {min(self.groups, self.rounds)}, or "
+                              "fewer clients_per_round (more groups)")
         self.rate = ctx.sampler.accounted().rate if kind == "amplified_cyclic" else 1.0
-        self.workload = mf.momentum(self.T, self.server_momentum)
-        self.strategy = build_strategy(self.strategy_name, self.workload, self.groups, self.bands, self.buffers,
-                                       self.tree_height, self.cache_dir or default_cache_dir())
-        self.sensitivity_details = self.strategy.sensitivity_details(self.min_sep, self.k)
+        self._segment(0)
         self._secure = ctx.secure
         if self.target_epsilon is not None:
             if self.delta is None:
                 self.delta = ctx.privacy.default_delta("client")
             self.noise_multiplier = 1.0  # a placeholder: the run calibrates it (see `calibration`)
+
+    def _segment(self, start: int) -> None:
+        """Build the factorization of the segment of rounds ``start .. rounds - 1`` (``T`` rounds of it):
+        participations ``min(b, T)`` apart, at most ``ceil(T / b)``, in the segment's own round numbers."""
+        self.start, self.T = start, self.rounds - start
+        self.min_sep, self.k = min(self.groups, self.T), -(-self.T // self.groups)
+        self.workload = mf.momentum(self.T, self.server_momentum)
+        bands = None if self.bands is None else min(self.bands, self.min_sep)
+        self.strategy = build_strategy(self.strategy_name, self.workload, self.groups, bands, self.buffers,
+                                       self.tree_height, self.cache_dir or default_cache_dir())
+        self.sensitivity_details = self.strategy.sensitivity_details(self.min_sep, self.k)
+
+    def _prefix(self, stream: Stream, n: int) -> Stream:
+        """The current segment's stream as released by its first ``n`` rounds: for one Gaussian over the
+        stream, ``C``'s rows complete by then on those rounds (``C[:n, :n]`` for a square ``C``) with the
+        sensitivity under the pattern restricted to them; per-participation and tree events count rounds."""
+        bare = dataclasses.replace(stream, rounds=n, start=0, before=(), replaces=None)
+        if stream.kind != "gaussian":
+            return bare
+        C = self.strategy.C
+        rows = (C[:, n:] == 0).all(dim=1) if n < self.T else torch.ones(C.shape[0], dtype=torch.bool)
+        sens = sensitivity_details(C[rows][:, :n], min(self.groups, n), -(-n // self.groups)).value
+        return dataclasses.replace(bare, noise_multiplier=stream.noise_multiplier * self.sensitivity / sens)
+
+    def _restart(self, starts: list[int], r: int) -> None:
+        """A secure resume at round ``r``: rebuild the public history of segments (``starts``) and start
+        a new factorization for rounds ``r .. rounds - 1``."""
+        self._before, self._replaces = (), None
+        for a, b in zip(starts, starts[1:]):
+            self._segment(a)
+            declared = self.stream()
+            self._before, self._replaces = self._before + (self._prefix(declared, b - a),), declared
+        self._segment(starts[-1])
+        if r > starts[-1]:
+            declared = self.stream()
+            self._before, self._replaces = self._before + (self._prefix(declared, r - starts[-1]),), declared
+            self._segment(r)
+            starts = starts + [r]
+        self.starts = starts
+        self._restart_note = (f"CorrelatedNoise: secure-mode resume at round {r + 1}: the noise state cannot be "
+                              f"rebuilt (its secret was never saved), so a new {self.strategy_name} factorization "
+                              f"covers rounds {self.start + 1}-{self.rounds} (sensitivity {self.sensitivity:.4g}); "
+                              f"the ledger composes the {len(self.starts)} segments (restarts at rounds "
+                              f"{', '.join(str(a + 1) for a in self.starts[1:])})")
 
     @property
     def sensitivity(self) -> float:
@@ -182,7 +233,8 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
     def stream(self) -> Stream:
         """How the ledger accounts this mechanism (:class:`~dpfl_lightning.privacy.mechanisms.Stream`)."""
         z, sens = float(self.noise_multiplier), self.sensitivity
-        common = dict(rounds=self.T, min_sep=self.min_sep, workload=self.workload.name, strategy=self.strategy_name)
+        common = dict(rounds=self.T, min_sep=self.min_sep, workload=self.workload.name, strategy=self.strategy_name,
+                      start=self.start, before=self._before, replaces=self._replaces)
         if self.rate < 1:  # per participation: a column of norm <= 1, noise z sens C
             return Stream("participations", z * sens, rate=self.rate, **common)
         if self.strategy_name == "tree" and self.k == 1:  # dp_accounting's single-epoch tree event
@@ -191,7 +243,8 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
 
     def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
         s = self.stream()
-        what = f"{self.strategy_name} correlated noise over {self.T} rounds (noise multiplier {s.noise_multiplier:.4g}" \
+        span = f"{self.T} rounds" if not self.start else f"rounds {self.start + 1}-{self.rounds} (restarted)"
+        what = f"{self.strategy_name} correlated noise over {span} (noise multiplier {s.noise_multiplier:.4g}" \
                f", sensitivity {self.sensitivity:.4g} of C under participations {self.min_sep} rounds apart, at most " \
                f"{self.k}" + (f", Poisson rate {self.rate:g} inside the group" if self.rate < 1 else "") + ")"
         return [Mechanism.correlated("CorrelatedNoise", s, (UPDATE,), what)]
@@ -201,6 +254,8 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
                               "the std of the round's correlated noise per coordinate (from z, C and the bound)")]
 
     def on_fit_start(self, *, ctx) -> None:
+        if ctx.is_global_zero and self._restart_note:
+            warnings.warn(self._restart_note, UserWarning, stacklevel=2)
         if ctx.is_global_zero:
             self.warn_if_useless("CorrelatedNoise", self.noise_multiplier, self._bound(),
                                  "raise target_epsilon, or train fewer rounds")
@@ -210,6 +265,7 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
         self._round_scale = float(self.noise_multiplier) * self.sensitivity * self._bound()
 
     def _generator_for(self, d: int, random: rng.RandomSource, round_idx: int):
+        """The segment's generator at ``round_idx`` (its rows keyed by the run's round numbers)."""
         if self._generator is not None and self._generator.d != d:
             raise ConfigError("CorrelatedNoise", f"round {round_idx + 1}", f"the trainable part changed from "
                               f"{self._generator.d} to {d} entries during the run, and the correlated noise's "
@@ -217,23 +273,23 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
                               "run (freeze or unfreeze before fit)")
         if self._generator is None:
             def normal(t: int, rows: int) -> torch.Tensor:
-                stream = random.stream(t, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, tag=_TAG)
+                stream = random.stream(self.start + t, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, tag=_TAG)
                 return stream.normal((rows, d), 1.0, dtype=torch.float64)
 
             self._generator = noise_generator(self.strategy, d, normal)
-        if self._generator.round != round_idx:
+        if self._generator.round != round_idx - self.start:
             self._resume(round_idx)
         return self._generator
 
     def _resume(self, round_idx: int) -> None:
-        if self._secure:
-            raise ConfigError("resume", f"round {round_idx + 1}", "secure mode cannot resume a correlated-noise "
-                              "run: its noise state was never saved and the secret that keyed it is gone",
-                              "start a new run (the ledger then accounts it as a new mechanism)")
+        if self._secure:  # a secure resume restarts the mechanism at the checkpoint's round (load_state_dict)
+            raise ConfigError("resume", f"round {round_idx + 1}", "secure mode cannot rebuild a correlated-noise "
+                              f"state, and the mechanism was restarted at round {self.start + 1}",
+                              "resume from the checkpoint the run restarted from")
         if len(self.scales) < round_idx:
             raise ConfigError("resume", f"round {round_idx + 1}", "the checkpoint holds no scales for the rounds "
                               "before it", "resume from a checkpoint written by this CorrelatedNoise")
-        self._generator.resume(round_idx, self.scales[:round_idx])
+        self._generator.resume(round_idx - self.start, self.scales[self.start:round_idx])
 
     def on_aggregate(self, *, server) -> None:
         x, mask, t = server.aggregate[UPDATE], server.plan.trainable, server.round_idx
@@ -248,22 +304,25 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         t = server.round_idx
+        t -= self.start
         metrics["noise_std"] = self._round_scale * math.sqrt(float(self.strategy.covariance()[t, t])) \
             if self.T <= 4096 else self._round_scale
 
-    # ------------------------------------------------------------------ state: public scales only
+    # ------------------------------------------------------------------ state: public scales and restart rounds only
     def state_dict(self) -> dict[str, Any]:
-        state = {"scales": list(self.scales), "strategy": self.strategy_name}
+        state = {"scales": list(self.scales), "strategy": self.strategy_name, "starts": list(self.starts)}
         state.update(CalibratedNoise.state_dict(self))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         CalibratedNoise.load_state_dict(self, {k: v for k, v in state.items() if k == "noise_multiplier"})
         self.scales = [float(s) for s in state.get("scales", [])]
+        starts = [int(a) for a in state.get("starts", [0])]
         if self.scales and getattr(self, "_secure", False):
-            raise ConfigError("resume", f"round {len(self.scales) + 1}", "secure mode cannot resume a correlated-"
-                              "noise run: its noise state was never saved and the secret that keyed it is gone",
-                              "start a new run (the ledger then accounts it as a new mechanism)")
+            self._restart(starts, len(self.scales))
+        elif starts != [0]:
+            raise ConfigError("resume", starts, "the checkpoint's correlated noise was restarted by a secure-mode "
+                              "resume, and this run is not in secure mode", "resume with secure=True")
 
 
 def check_server_optimizer(optimizer: str, momentum: float, nesterov: bool, mechanisms: list) -> None:

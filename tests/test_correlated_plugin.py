@@ -347,3 +347,74 @@ def test_state_is_buffers_times_d_at_a_million_parameters():
         for _ in range(6):
             gen.next()
         assert sum(t.numel() for t in gen.state_tensors()) == rows * d  # buffers x d; banded: (b - 1) x d
+
+
+# ------------------------------------------------------------------ dpfl audit and dpfl privacy on correlated-noise runs
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FTRL = ["--config", os.path.join(ROOT, "configs", "ftrl_banded.yaml"), "--trainer.rounds", "4",
+        "--trainer.local_epochs", "1", "--trainer.enable_progress_bar", "false", "--trainer.num_threads", "1"]
+
+
+def test_dpfl_audit_runs_canaries_through_correlated_noise(tmp_path, capsys):
+    import re
+
+    import yaml
+
+    from dpfl_lightning.cli import command as cli
+
+    z, delta = 3.0, 1e-4
+    cfg = {"trainer": {"rounds": 6, "clients_per_round": 100, "sampling": "cyclic", "local_steps": 1, "batch_size": 4,
+                       "seed": 0, "num_threads": 1, "enable_progress_bar": False, "enable_summary": False,
+                       "log_dir": str(tmp_path / "runs"),
+                       "plugins": [{"class_path": "dpfl_lightning.plugins.UpdateClipping", "init_args": {"max_norm": 1.0}},
+                                   {"class_path": "dpfl_lightning.plugins.CorrelatedNoise",
+                                    "init_args": {"strategy": "banded", "noise_multiplier": z,
+                                                  "cache_dir": str(tmp_path / "cache")}}]},
+           "model": {"class_path": "dpfl_lightning.models.MLPClassifier",
+                     "init_args": {"in_features": 10, "hidden": [128], "num_classes": 10, "lr": 0.5}},
+           "data": {"class_path": "dpfl_lightning.data.SyntheticLogistic",
+                    "init_args": {"num_clients": 400, "samples_per_client": 12, "test_samples_per_client": 4, "dim": 10}}}
+    path = tmp_path / "ftrl_audit.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli.main(["audit", "--config", str(path), "--canaries", "100"])  # exit 0: consistent
+    out = capsys.readouterr().out
+    assert "100 canaries" in out and "consistent" in out and "REFUTED" not in out and "VIOLATED" not in out
+    assert "correlated noise (banded" in out
+    acc = rdp.RdpAccountant()  # the ledger's: one Gaussian of multiplier z over the 6-round stream (4 groups)
+    acc.compose(dp_accounting.GaussianDpEvent(z))
+    for model in ("only the final model is seen", "every round's model is seen"):
+        row = re.search(re.escape(model) + r"\s+([0-9.]+)\s", out)
+        assert float(row.group(1)) == pytest.approx(acc.get_epsilon(delta), abs=6e-4), out
+
+
+def test_dpfl_privacy_epsilon_and_selection_plan_give_the_ledgers_epsilon(tmp_path, capsys):
+    import csv
+    import glob
+    import re
+
+    from dpfl_lightning.cli import command as cli
+
+    cli.main(["privacy", "epsilon", *FTRL])
+    out = capsys.readouterr().out
+    planned = float(re.search(r"epsilon = ([0-9.]+) after 4 rounds", out).group(1))
+    z = float(re.search(r"noise multiplier ([0-9.]+);", out).group(1))
+    assert "cyclic participation, rounds >= 4 apart, no amplification" in out and "one Gaussian over the stream" in out
+    cli.main(["fit", *FTRL, "--trainer.log_dir", str(tmp_path)])
+    capsys.readouterr()
+    (path,) = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
+    with open(path) as f:
+        logged = [float(r["epsilon"]) for r in csv.DictReader(f) if r.get("epsilon")]
+    assert logged and all(e == pytest.approx(planned, abs=1e-4) for e in logged)  # the stream's, from round 1
+
+    # the configured 30 rounds: one Gaussian over the stream calibrated to the same target, so the same z
+    cli.main(["privacy", "plan", "--selection", FTRL[1], "--delta", "1e-4"])
+    table = capsys.readouterr().out
+    rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3)), float(m.group(4)))
+            for m in re.finditer(r"^\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", table, re.M)}
+    for mean, (selected, one, every) in rows.items():
+        assert one == pytest.approx(planned, abs=2e-3)
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_accounting.GaussianDpEvent(z), mean)  # a grid of `mean` runs: the stream `mean` times
+        assert every == pytest.approx(acc.get_epsilon(1e-4), rel=5e-3)
+        assert selected > 0  # it once composed a stream's release as zero rounds
+    assert len(rows) >= 5

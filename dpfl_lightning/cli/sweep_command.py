@@ -42,7 +42,7 @@ def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = Non
     g = ledger.guarantees[0]
     comps = ledger.planned_compositions(rounds)[g.name]
     many = len(g.profiles) > 1
-    trials = tuple(Trial(((p.release, int(n)),), f"{label}; profile {k}" if many else label)
+    trials = tuple(Trial((_composable(p.release, int(n), label),), f"{label}; profile {k}" if many else label)
                    for k, (p, n) in enumerate(zip(g.profiles, comps)))
     try:
         noise = cfg.get(noise_setting)
@@ -52,6 +52,22 @@ def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = Non
 
     return RunPrivacy(trials, AUDIENCES.get(g.audience, g.audience), g.granularity, float(ledger.delta), str(ledger.accountant),
                       bool(init.trainer.settings.secure), float(noise) if isinstance(noise, (int, float)) else None)
+
+
+def _composable(release: Any, steps: int, label: str) -> tuple[Any, int]:
+    """``(release, steps)`` whose ``steps``-fold composition is the run's: a correlated-noise stream is
+    not a per-round release, so its whole run becomes one release of the stream's events."""
+    if release.stream is None:
+        return release, steps
+    from dpfl_lightning.privacy.accountants import Release, stream_events
+
+    events = stream_events(release, steps)
+    if any(rel.name == "REPLACE_SPECIAL" for _, rel in events):
+        raise ConfigError("private selection", label, "a tree-aggregation event (correlated noise with one "
+                          "participation per client) is accounted under dp_accounting's special replace relation, "
+                          "which private selection does not compose", "use strategy banded or blt, or more rounds "
+                          "than cyclic groups; dpfl privacy epsilon gives the run's own epsilon")
+    return Release(tuple(e for e, _ in events)), 1
 
 
 def run_sweep(cfg: Any, out: Any = None) -> int:

@@ -113,3 +113,52 @@ def test_bad_parameters_are_refused_with_the_setting_named():
         dn.discrete_gaussian(rng.RandomSource(0).stream(0, 0, rng.DATA), -1.0, 10)
     with pytest.raises(ConfigError, match="poisson.lam"):
         dn.poisson(rng.RandomSource(0).stream(0, 0, rng.DATA), 2.0**40, 10)
+
+
+# ----------------------------------------------------------------------------- the block sampler's parts
+@pytest.mark.parametrize("sigma2", [262_144.0, 16_777_216.0])
+def test_discrete_gaussian_matches_its_pmf_at_the_plugins_scales(sigma2):
+    """DiscreteDistributedNoise passes sigma^2 of 1e4 to 2^24 grid steps (16 to 32 bits)."""
+    draws = dn.discrete_gaussian(rng.RandomSource(6).stream(0, 3, rng.CLIENT_NOISE), sigma2, 1_000_000)
+    assert chi_square_p(draws, lambda s: dg_pmf(sigma2, s)) > P_MIN
+    assert abs(draws.var() / sigma2 - 1) < 0.01  # N_Z(0, s2) has variance within 1e-9 of s2 at these scales
+
+
+@pytest.mark.parametrize("g", [Fraction(0), Fraction(1, 3), Fraction(7, 3), Fraction(101, 2), Fraction(10**6, 7)])
+def test_exp_enclosures_contain_exp_and_are_tight(g):
+    import mpmath
+
+    with mpmath.workdps(400):
+        for bits in (60, 200):
+            lo, hi = dn.exp_neg_fixed(g, bits)
+            true = mpmath.exp(-mpmath.mpf(g.numerator) / g.denominator) * mpmath.mpf(2) ** bits
+            assert lo <= true <= hi and hi - lo <= 2
+
+
+@pytest.mark.parametrize("sigma2", [0.01, 0.5, 2.0, 9.0, 1234.5, 2.0**24])
+def test_block_width_keeps_every_acceptance_at_most_one(sigma2):
+    import mpmath
+
+    w = dn.block_width(Fraction(sigma2))
+    with mpmath.workdps(50):  # the block's smallest x, b w, has the largest exp(-x^2 / (2 s2)) 2^b
+        worst = max(mpmath.exp(-mpmath.mpf(b * w) ** 2 / (2 * mpmath.mpf(sigma2))) * 2**b for b in range(1, 80))
+    assert worst <= 1
+    assert (w - 1) ** 2 < 1.4 * sigma2 or w == 1  # and it is the smallest such width
+
+
+def test_the_enclosed_exact_path_gives_the_exact_probability():
+    """Float intervals too wide to decide anything: every draw takes the exact path."""
+    src = dn.WordSource(rng.RandomSource(8).stream(0, 0, rng.DATA))
+    n = 40_000
+    a = dn.bernoulli_enclosed(src, np.zeros(n), np.ones(n), lambda i, bits: dn.exp_neg_fixed(Fraction(7, 3), bits + 1))
+    p = 2 * math.exp(-7 / 3)  # exp(-7/3) 2^1: the enclosure to bits + 1 bits read as one to bits bits
+    assert abs(a.mean() - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_the_block_sampler_and_the_cks_reference_agree():
+    fast = dn.discrete_gaussian(rng.RandomSource(9).stream(0, 1, rng.CLIENT_NOISE), 30.25, 300_000)
+    ref = dn.discrete_gaussian_cks(rng.RandomSource(9).stream(0, 2, rng.CLIENT_NOISE), 30.25, 300_000)
+    lo = min(fast.min(), ref.min())
+    table = np.stack([np.bincount(fast - lo), np.bincount(ref - lo, minlength=fast.max() - lo + 1)[: fast.max() - lo + 1]])
+    table = table[:, table.sum(0) >= 40]
+    assert stats.chi2_contingency(table).pvalue > P_MIN

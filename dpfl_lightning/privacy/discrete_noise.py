@@ -13,7 +13,7 @@ mode) give their 53-bit ``words``; a ``TorchStream`` (simulation noise streams) 
 stream's key, whatever the batch split, because every round of the vectorised rejection loops reads
 the stream in a fixed order.
 
-Exactness argument (every random decision is one of three kinds):
+Exactness argument (every random decision is one of four kinds):
 
 1. ``randint(m)``: a 53-bit word ``w`` is kept when ``w < floor(2^53 / m) m`` and then ``w mod m``
    is uniform on ``{0, ..., m-1}``; other words are redrawn. Bernoulli(``a/m``) is
@@ -32,10 +32,24 @@ Exactness argument (every random decision is one of three kinds):
    Algorithm 1: ``floor(gamma)`` Bernoulli(``exp(-1)``) trials, then the series loop
    ``A ~ Bernoulli(g / K)`` for the fractional part ``g``, drawn as Bernoulli(``g``) and
    Bernoulli(``1/K``) (independent, so their product is Bernoulli(``g/K``)).
+4. Bernoulli(``a``) for a real ``a`` such as ``exp(-gamma) 2^b`` (:func:`bernoulli_enclosed`): the
+   lazy comparison of kind 2 with a float interval from ``numpy.exp`` (margin ``2^-40``
+   relative, the libm assumption of the Poisson sampler below); undecided (probability ~1e-11),
+   ``a`` is enclosed between rationals by :func:`exp_neg_fixed` (alternating Taylor series and
+   repeated squaring, every bound rounded outward), refined until it separates from ``U``'s
+   prefix, read word after word.
 
-The discrete Gaussian is CKS Algorithm 3 (discrete Laplace proposal of integer scale
-``t = floor(sigma) + 1``, Algorithm 2, accepted with Bernoulli(``exp(-(|Y| - sigma^2/t)^2 /
-(2 sigma^2))``)). The Poisson sampler is rejection from a proposal with rational weights: a block
+The discrete Gaussian (:func:`discrete_gaussian`) is a rejection sampler in one vector pass a
+batch: ``|x|`` from blocks of width ``w`` (:func:`block_width`: ``w^2 >= 1.4 sigma^2``), block
+``b`` with probability ``2^-(b+1)`` (trailing zero bits), uniform inside it, a fair sign
+((minus, 0) rejected), accepted with Bernoulli(``exp(-x^2 / (2 sigma^2)) 2^b``) (kind 4; at most
+1 by the choice of ``w``). Accepted ``x`` has probability proportional to ``2^-(b+1) / w *
+exp(-x^2 / (2 sigma^2)) 2^b``, i.e. to ``exp(-x^2 / (2 sigma^2))``; about half the candidates
+are kept, at three words each. :func:`discrete_gaussian_cks` is CKS Algorithm 3 (discrete
+Laplace proposal of integer scale ``t = floor(sigma) + 1``, Algorithm 2, accepted with
+Bernoulli(``exp(-(|Y| - sigma^2/t)^2 / (2 sigma^2))``)), kinds 1-3 only, the slower reference.
+
+The Poisson sampler is rejection from a proposal with rational weights: a block
 ``b`` of ``w = ceil(sqrt(lam))`` integers around the mode with probability ``2^-(|b|+2)``, uniform
 inside it; the acceptance ``p(k) 2^|b| / (p(mode) M)`` is rational because ``p(k)/p(mode) =
 lam^(k - mode) mode!/k!``, and ``M`` (its maximum) is found exactly from the log-concavity of the
@@ -153,6 +167,19 @@ def bernoulli_interval(src: WordSource, lo: np.ndarray, hi: np.ndarray,
     return out
 
 
+def randint_below(src: WordSource, m: int, size: int) -> np.ndarray:
+    """``size`` uniform integers in ``[0, m)`` for one ``m`` in ``[1, 2^53]`` (int64): the same
+    rejection as :func:`randint` (a rejected word is redrawn, in order), without its per-element
+    bookkeeping."""
+    limit = np.uint64((_TWO53 // m) * m)
+    w = src.words(size)
+    out = (w % np.uint64(m)).astype(np.int64)
+    bad = np.flatnonzero(w >= limit)
+    if bad.size:  # probability below m / 2^53 a word
+        out[bad] = randint(src, np.full(bad.size, m, dtype=np.int64))
+    return out
+
+
 def bernoulli_ratio(src: WordSource, num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """Bernoulli(``num_i / den_i``) for integers ``0 <= num_i <= den_i < 2^53``: the float quotient is
     within a relative ``2^-53`` of the ratio (one correctly rounded division of exact operands), so
@@ -267,11 +294,12 @@ def as_fraction(value: float | int | Fraction, setting: str) -> Fraction:
     return Fraction(value)
 
 
-def discrete_gaussian(source: object, sigma2: float | Fraction, n: int) -> np.ndarray:
+def discrete_gaussian_cks(source: object, sigma2: float | Fraction, n: int) -> np.ndarray:
     """``n`` exact draws of the discrete Gaussian ``N_Z(0, sigma2)``, ``P(x) ∝ exp(-x^2 / (2
-    sigma2))`` on the integers (CKS Algorithm 3), int64. ``sigma2`` is a rational (a float is
-    taken as the rational it stores); ``source`` a :mod:`dpfl_lightning.rng` stream or
-    :class:`WordSource`."""
+    sigma2))`` on the integers by CKS Algorithm 3 (discrete Laplace proposal), int64: the
+    reference sampler, slower than :func:`discrete_gaussian` (its Bernoulli loops run many short
+    vector passes). ``sigma2`` is a rational (a float is taken as the rational it stores);
+    ``source`` a :mod:`dpfl_lightning.rng` stream or :class:`WordSource`."""
     src = _as_source(source)
     s2 = as_fraction(sigma2, "discrete_gaussian.sigma2")
     t = math.isqrt(math.floor(s2)) + 1  # floor(sigma) + 1: floor(sqrt(x)) = isqrt(floor(x))
@@ -293,6 +321,140 @@ def discrete_gaussian(source: object, sigma2: float | Fraction, n: int) -> np.nd
 
         keep = bernoulli_exp_interval(src, np.maximum(g - err, 0.0), g + err, gamma)
         parts.append(y[keep])
+        have += int(keep.sum())
+    return np.concatenate(parts)[:n]
+
+
+_LOW52 = np.uint64((1 << 52) - 1)
+
+
+def signed_geometric(src: WordSource, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``size`` pairs (``g``, sign): ``P(g) = 2^-(g + 1)`` for ``g >= 0``, the trailing zero bits of a
+    word's low 52 bits (all zero: 52 more, and the next word's low 52 bits), and an independent
+    fair sign from the first word's bit 52."""
+    w = src.words(size)
+    neg = (w >> np.uint64(52)).astype(bool)
+    g = np.zeros(size, dtype=np.int64)
+    todo = np.arange(size)
+    low = w & _LOW52
+    while True:
+        zero = low == 0
+        nz = ~zero
+        lowest = low[nz] & (~low[nz] + np.uint64(1))
+        g[todo[nz]] += np.bitwise_count(lowest - np.uint64(1)).astype(np.int64)
+        if not zero.any():
+            return g, neg
+        todo = todo[zero]
+        g[todo] += 52
+        low = src.words(todo.size) & _LOW52
+
+
+LN2_ABOVE = Fraction(7, 10)  # a rational above ln 2 (0.6931...)
+
+
+def block_width(s2: Fraction) -> int:
+    """The smallest integer ``w >= 1`` with ``w^2 >= 2 (7/10) s2``: then for every block ``b >= 1`` and
+    ``j >= b w``, ``j^2 / (2 s2) >= b^2 (7/10) >= b ln 2``, so the acceptance ``exp(-j^2 / (2 s2))
+    2^b`` of :func:`discrete_gaussian` is at most 1 (exact rational check)."""
+    need = 2 * LN2_ABOVE * s2
+    w = max(1, math.isqrt(math.ceil(need)))
+    while w * w < need:
+        w += 1
+    return w
+
+
+def exp_neg_fixed(g: Fraction, bits: int) -> tuple[int, int]:
+    """Integers ``(lo, hi)`` with ``lo 2^-bits <= exp(-g) <= hi 2^-bits`` and ``hi - lo <= 1 + ...``
+    (width below ``2^-bits`` before the final outward rounding), for a rational ``g >= 0``, exact:
+    ``exp(-g) = exp(-y)^(2^s)`` with ``y = g 2^-s < 1/2``; the Taylor series of ``exp(-y)``
+    alternates with decreasing terms, so two consecutive partial sums bracket it; each bound is
+    rounded outward to the grid ``2^-p`` and squared ``s`` times (monotone on ``[0, 1+]``)."""
+    s = max(0, g.numerator.bit_length() - g.denominator.bit_length() + 2)
+    y = g / (1 << s)
+    p = bits + s + 4
+    tiny = Fraction(1, 1 << (p + 2))
+    term = prev = total = Fraction(1)
+    k = 0
+    while True:
+        k += 1
+        term = term * y / k
+        prev, total = total, (total - term if k % 2 else total + term)
+        if term <= tiny:
+            break
+    lo, hi = min(prev, total), max(prev, total)
+    lo_i = (lo.numerator << p) // lo.denominator
+    hi_i = -((-(hi.numerator << p)) // hi.denominator)
+    for _ in range(s):
+        lo_i, hi_i = (lo_i * lo_i) >> p, -((-(hi_i * hi_i)) >> p)
+    shift = p - bits
+    return lo_i >> shift, -((-hi_i) >> shift)
+
+
+def _enclosed_less(src: WordSource, first_word: int, enclose: Callable[[int], tuple[int, int]]) -> bool:
+    """Whether ``U < a`` for the uniform real ``U`` whose first 53 bits are ``first_word`` (further
+    bits read from ``src`` as needed), where ``enclose(bits)`` gives integers with ``lo 2^-bits <= a
+    <= hi 2^-bits``: refine ``a`` or read ``U`` further until the two intervals separate (``a``
+    irrational or ``1``: this ends with probability 1)."""
+    prefix, nbits, prec = first_word, WORD_BITS, WORD_BITS + 16
+    while True:
+        lo, hi = enclose(prec)
+        m = max(prec, nbits)
+        u_lo, u_hi = prefix << (m - nbits), (prefix + 1) << (m - nbits)
+        a_lo, a_hi = lo << (m - prec), hi << (m - prec)
+        if u_hi <= a_lo:
+            return True
+        if u_lo >= a_hi:
+            return False
+        if a_hi - a_lo >= u_hi - u_lo:
+            prec += 64
+        else:
+            prefix, nbits = (prefix << WORD_BITS) | src.word(), nbits + WORD_BITS
+
+
+def bernoulli_enclosed(src: WordSource, lo: np.ndarray, hi: np.ndarray,
+                       enclose: Callable[[int, int], tuple[int, int]]) -> np.ndarray:
+    """Bernoulli(``a_i``) where ``lo_i <= a_i <= hi_i`` (float64) and ``enclose(i, bits)`` encloses
+    ``a_i`` exactly to ``bits`` bits (:func:`_enclosed_less`): a real ``a_i`` such as ``exp(-g)``."""
+    w = src.words(lo.size)
+    wf = w.astype(np.float64) * _ULP
+    yes = wf + _ULP <= lo
+    no = wf >= hi
+    out = yes.copy()
+    for i in np.flatnonzero(~(yes | no)):  # rare: decided in exact arithmetic
+        out[i] = _enclosed_less(src, int(w[i]), lambda bits, i=int(i): enclose(i, bits))
+    return out
+
+
+def discrete_gaussian(source: object, sigma2: float | Fraction, n: int) -> np.ndarray:
+    """``n`` exact draws of the discrete Gaussian ``N_Z(0, sigma2)``, ``P(x) ∝ exp(-x^2 / (2
+    sigma2))`` on the integers, int64, in one vector pass a batch (module docstring: block
+    proposal, one lazy comparison a candidate). ``sigma2`` is a rational (a float is taken as the
+    rational it stores); ``source`` a :mod:`dpfl_lightning.rng` stream or :class:`WordSource`."""
+    src = _as_source(source)
+    s2 = as_fraction(sigma2, "discrete_gaussian.sigma2")
+    w = block_width(s2)
+    two_s2, two_s2_f = 2 * s2, float(2 * s2)
+    parts, have = [], 0
+    while have < n:
+        size = int((n - have) * 2.0) + 16  # ~0.53 of the candidates are kept
+        b, neg = signed_geometric(src, size)
+        j = b * w + randint_below(src, w, size)
+        jf = j.astype(np.float64)  # exact below 2^53 (larger: the exact path)
+        g = jf * jf / two_s2_f  # within a relative 2^-51 of j^2 / (2 s2)
+        bl = b * _LN2
+        log_a = bl - g  # ln of the acceptance exp(-g) 2^b, within 2^-50 (g + bl)
+        err = 2.0**-48 * (g + bl + 1.0)
+        top = np.exp(log_a + err)  # assumed within a relative 2^-41 of exp (module docstring)
+        hi = np.minimum(top * (1 + 2.0**-40), 1.0)
+        lo = top * (1 - 2.0 * err - 2.0**-39)  # <= exp(log_a + err) exp(-2 err) <= the acceptance
+        big = j >= (1 << 52)
+        lo[big], hi[big] = 0.0, 1.0
+
+        def enclose(i: int, bits: int, j=j, b=b) -> tuple[int, int]:  # exp(-g) 2^b to `bits` bits
+            return exp_neg_fixed(Fraction(int(j[i]) ** 2) / two_s2, bits + int(b[i]))
+
+        keep = bernoulli_enclosed(src, lo, hi, enclose) & ~(neg & (j == 0))
+        parts.append(np.where(neg, -j, j)[keep])
         have += int(keep.sum())
     return np.concatenate(parts)[:n]
 

@@ -7,6 +7,11 @@ run's delta) every mechanism is calibrated (``target_epsilon``), trained and rep
 final test accuracy (mean over seeds), the wrap-around bound (settings alone), the ledger's epsilon,
 and seconds per round on this rank by stage (noise, rounding, masks, unmasking+decoding).
 
+Shares are sized for the default ``min_survivors`` (the 1e-6 quantile of the survivors' count from
+the sampler and the dropout rate): under Poisson sampling a short round may not be skipped (it
+would reveal the hidden cohort's size), so a run stops instead, with probability at most
+``shortfall_bound`` (reported).
+
     OMP_NUM_THREADS=1 python benchmarks/discrete_ddp_cost.py --rounds 60 --seeds 0 1 2
     OMP_NUM_THREADS=1 python benchmarks/discrete_ddp_cost.py --rounds 15 --seeds 0 --bits 12 16 32 --out study.json
 """
@@ -44,19 +49,20 @@ def run(noise, rounds: int, seed: int) -> dict:
         out.update(noise_s=np.mean([s.noise for s in st]), rounding_s=np.mean([s.rounding for s in st]),
                    masks_s=np.mean([s.masks for s in st]), unmask_s=np.mean([s.unmask for s in st]),
                    wrap=noise.wraparound_round, gamma=noise.gamma, z=noise.noise_multiplier,
-                   skipped=len(noise.skipped_rounds), min_survivors=noise.min_survivors)
+                   skipped=len(noise.skipped_rounds), min_survivors=noise.min_survivors,
+                   shortfall=noise.shortfall_bound)
     else:
         out.update(z=noise.noise_multiplier)
     return out
 
 
-def configs(eps: float, bits_list: list[int], dropouts: list[float], min_survivors: dict[float, int]):
-    yield "gaussian (continuous)", 0.0, None, GaussianNoise(target_epsilon=eps, placement="distributed")
+def configs(eps: float, bits_list: list[int], dropouts: list[float], mechanisms: list[str]):
+    if "gaussian" in mechanisms:
+        yield "gaussian (continuous)", 0.0, None, GaussianNoise(target_epsilon=eps, placement="distributed")
     for mech in ("discrete_gaussian", "skellam"):
-        for bits in bits_list:
+        for bits in bits_list if mech in mechanisms else []:
             for p in dropouts:
-                yield mech, p, bits, DiscreteDistributedNoise(mech, target_epsilon=eps, bits=bits, dropout=p,
-                                                              min_survivors=min_survivors[p])
+                yield mech, p, bits, DiscreteDistributedNoise(mech, target_epsilon=eps, bits=bits, dropout=p)
 
 
 def main() -> None:
@@ -66,18 +72,17 @@ def main() -> None:
     ap.add_argument("--epsilons", type=float, nargs="+", default=[3.0, 10.0])
     ap.add_argument("--bits", type=int, nargs="+", default=[12, 14, 16, 20, 32])
     ap.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
+    ap.add_argument("--mechanisms", nargs="+", default=["gaussian", "discrete_gaussian", "skellam"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    # shares sized for 30 survivors of the 40 expected (27 with 10% dropouts): P(fewer) ~ 4-5% a round
-    min_survivors = {0.0: 30, 0.1: 27}
     rows = []
     print("| eps | mechanism | bits | dropout | acc | ledger eps | wrap bound/round | s/round | noise s | rounding s |"
-          " masks s | unmask s | skipped |", flush=True)
+          " masks s | unmask s | min survivors | stop bound |", flush=True)
     for eps in a.epsilons:
-        for mech, p, bits, _ in configs(eps, a.bits, a.dropouts, min_survivors):
+        for mech, p, bits, _ in configs(eps, a.bits, a.dropouts, a.mechanisms):
             res = []
             for seed in a.seeds:
-                noise = next(n for m, q, b, n in configs(eps, a.bits, a.dropouts, min_survivors)
+                noise = next(n for m, q, b, n in configs(eps, a.bits, a.dropouts, a.mechanisms)
                              if (m, q, b) == (mech, p, bits))
                 try:
                     res.append(run(noise, a.rounds, seed))
@@ -95,7 +100,8 @@ def main() -> None:
 
             print(f"| {eps:g} | {mech} | {bits or '-'} | {p:g} | {m('acc'):.3f} | {m('epsilon'):.2f} | "
                   f"{m('wrap'):.1e} | {m('s_per_round'):.2f} | {m('noise_s'):.2f} | {m('rounding_s'):.3f} | "
-                  f"{m('masks_s'):.3f} | {m('unmask_s'):.3f} | {m('skipped'):.0f} |", flush=True)
+                  f"{m('masks_s'):.3f} | {m('unmask_s'):.3f} | {m('min_survivors'):.0f} | {m('shortfall'):.1e} |",
+                  flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1, default=float)

@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--groups", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--float64", action="store_true", help="draw the rows in float64 (the plugin does for a float64 model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.study:
@@ -114,6 +115,7 @@ def main() -> None:
     base = per_round(gaussian, T)
     print(f"{'GaussianNoise (independent)':<30} {base * 1e3:8.2f} ms/round")
     cache = tempfile.mkdtemp()
+    dtype = torch.float64 if args.float64 else torch.float32
     for kind in ("independent", "tree", "banded", "blt"):
         start = time.perf_counter()
         strategy = build_strategy(kind, mf.prefix_sum(T), args.groups, cache_dir=cache)
@@ -121,7 +123,7 @@ def main() -> None:
 
         def normal(t, rows):
             return random.stream(t, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, tag="CorrelatedNoise").normal(
-                (rows, d), 1.0, dtype=torch.float64)
+                (rows, d), 1.0, dtype=dtype)
 
         gen = noise_generator(strategy, d, normal)
 
@@ -131,7 +133,7 @@ def main() -> None:
         cost = per_round(step, T)
         state = max(1, sum(x.numel() for x in gen.state_tensors()))
         print(f"CorrelatedNoise {kind:<14} {cost * 1e3:8.2f} ms/round (+{(cost - base) * 1e3:6.2f} vs independent); "
-              f"factor {built:6.2f} s; state {state / d:.0f} x d = {state * 8 / 2**20:.1f} MiB")
+              f"factor {built:6.2f} s; state {state / d:.0f} x d = {state * dtype.itemsize / 2**20:.1f} MiB ({dtype})")
 
 
 if __name__ == "__main__":

@@ -128,3 +128,28 @@ def test_a_normal_of_the_wrong_shape_is_refused(strategies):
     gen = noise_generator(strategies["banded"], 3, lambda t, rows: torch.zeros(rows, 4, dtype=F64))
     with pytest.raises(ValueError, match=r"\[1, 3\]"):
         gen.next()
+
+
+@pytest.mark.parametrize("kind", ["banded", "blt", "tree"])
+def test_float32_recursion_stays_within_float32_rounding_of_float64(tmp_path, kind):
+    """The plugin draws rows and keeps state in float32: the same rows through the float32 and the float64
+    recursion differ by float32 rounding only (no growth over the rounds), per round and in the prefix sum."""
+    from dpfl_lightning.plugins.correlated_noise import build_strategy
+    from dpfl_lightning.privacy.correlated_noise import noise_generator
+
+    T, d = 400, 500
+    s = build_strategy(kind, prefix_sum(T), 8, cache_dir=str(tmp_path))
+
+    def rows(t, r):
+        return torch.randn(r, d, generator=torch.Generator().manual_seed(t), dtype=torch.float32)
+
+    g64, g32 = noise_generator(s, d, lambda t, r: rows(t, r).double()), noise_generator(s, d, rows)
+    s64 = torch.zeros(d, dtype=torch.float64)
+    s32 = torch.zeros(d, dtype=torch.float64)
+    for _ in range(T):
+        a, b = g64.next(0.5), g32.next(0.5)
+        assert b.dtype == torch.float32
+        assert float((a - b.double()).norm() / a.norm()) < 2e-6
+        s64 += a
+        s32 += b.double()
+    assert float((s64 - s32).norm() / s64.norm()) < 2e-6

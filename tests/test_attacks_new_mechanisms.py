@@ -20,6 +20,7 @@ model.
 from __future__ import annotations
 
 import io
+from unittest import mock
 import json
 import math
 import os
@@ -90,18 +91,23 @@ def _sweep_file(tmp_path, lrs, selection) -> str:
     return str(path)
 
 
+SWEEP_SECRET = bytes(range(32))  # the sweep draws K from a fresh secret; fixed here to choose K (unknown to the attacks)
+
+
 def _sweep(path, directory, seed=0, secure=False):
     s = sweep.load_sweep(path)
     opts = private_sweep.Options(str(directory), _planner(secure), seed=seed)
     out = io.StringIO()
-    info = private_sweep.run_private(s, private_sweep.selection_setting(s), opts, out)
+    with mock.patch.object(rng, "new_secret", lambda: SWEEP_SECRET):
+        info = private_sweep.run_private(s, private_sweep.selection_setting(s), opts, out)
     return info, out.getvalue()
 
 
 def _seed_with(selection, want, start=0):
-    """A sweep seed whose simulation draws ``K`` with ``want(K)`` (the sampler itself, not the sweep)."""
+    """A sweep seed whose draws (under :data:`SWEEP_SECRET`) give ``K`` with ``want(K)`` (the sampler
+    itself, not the sweep)."""
     for seed in range(start, start + 500):
-        k = draw_trial_count(rng.RandomSource(seed), trial_count(selection))
+        k = draw_trial_count(rng.RandomSource(seed, SWEEP_SECRET), trial_count(selection))
         if want(k):
             return seed, k
     raise AssertionError("no seed")
@@ -140,10 +146,6 @@ def test_released_folder_and_console_are_the_same_whatever_k(tmp_path):
     assert out1.replace(str(tmp_path / "one"), "<dir>") == out6.replace(str(tmp_path / "six"), "<dir>")
 
 
-@pytest.mark.xfail(strict=True, reason="LEAK: tracking/private_sweep.py release() copies the selected trial with "
-                   "shutil.copytree (copy2 keeps each file's mtime), so released/runs/selected/ dates the selected "
-                   "trial; against the mtime of released/selection.json (the end of the sweep) and the trial's own "
-                   "duration (its files' mtimes) that tells how many trials ran after it: a lower bound on K")
 def test_released_files_do_not_date_the_selected_trial(tmp_path):
     """Attack: read the modification times in released/. The trials' files are dated 2001 (as if the
     selected trial had run long before the release); a released copy must not carry that date."""
@@ -162,11 +164,6 @@ def test_released_files_do_not_date_the_selected_trial(tmp_path):
     assert stamps and min(stamps.values()) >= before, stamps
 
 
-@pytest.mark.xfail(strict=True, reason="LEAK (simulation mode): released/runs/selected/config.yaml holds the selected "
-                   "trial's seed (and run name), a function of the sweep's --seed and the trial's index "
-                   "(private_sweep.draw_state); trying the small seeds people use finds the --seed, and with it K "
-                   "and every trial. summary.md says the guarantee holds 'towards someone who does not know' the "
-                   "seed, but released/ gives it away")
 def test_released_trial_seed_does_not_give_away_the_sweep_seed(tmp_path):
     """Attack: from the released selected run's seed, search the sweep seeds 0..999 for one whose
     draws hold that trial seed; that seed's draw is K."""
@@ -184,10 +181,6 @@ def test_released_trial_seed_does_not_give_away_the_sweep_seed(tmp_path):
     assert found != [k], f"the released seed gives away K = {k}"
 
 
-@pytest.mark.xfail(strict=True, reason="LEAK: private_sweep.release() writes why nothing is released: 'the number of "
-                   "trials drawn was 0' for K = 0 and 'no trial logged the metric' when K >= 1 trials all ended with a "
-                   "NaN score (a divergence that depends on the data); selection.json, summary.md and the console "
-                   "then say whether K = 0. Fix: one outcome text for 'nothing selected' whatever the cause")
 def test_releasing_nothing_does_not_say_whether_k_was_zero(tmp_path, monkeypatch):
     """Attack: compare a K = 0 sweep with a K >= 1 sweep whose trials all diverged (NaN score)."""
     selection = {"distribution": "poisson", "mean": 1}

@@ -17,12 +17,13 @@ A sweep file asks for it with ``private_selection: {distribution: poisson, mean:
    (:mod:`dpfl_lightning.privacy.selection_accounting`), which names the hyperparameter that set it.
    With ``--target_epsilon E --delta D`` the trials' noise is calibrated first so that the selected
    result meets ``(E, D)`` (refused where no noise does).
-3. **The draw.** ``K``, each trial's point, seed and run name come from the keyed streams of
-   ``RandomSource(--seed)`` (purpose ``PrivateSelection.trials``); when the trials run in secure
-   mode (``trainer.secure: true``), from the CSPRNG keyed by a fresh secret, so ``K`` cannot be
-   recomputed. They are kept in ``private/selection_state.json`` (mode 0600): a rerun of the sweep
-   resumes the same trials and never redraws ``K`` (in secure mode it could not: the secret is not
-   saved). **That file, like all of ``private/``, is never to be released.**
+3. **The draw.** ``K``, each trial's point, seed and run name come from the CSPRNG streams of
+   ``RandomSource(--seed, fresh secret)`` (purpose ``PrivateSelection.trials``), in simulation too:
+   the selected trial's seed and name are released in its ``config.yaml``, and were they a function
+   of ``--seed`` alone, trying the small seeds people use would find ``--seed`` and with it ``K``
+   and every trial. They are kept in ``private/selection_state.json`` (mode 0600): a rerun of the
+   sweep resumes the same trials and never redraws ``K`` (it could not: the secret is not saved).
+   **That file, like all of ``private/``, is never to be released.**
 4. **The trials** are ordinary ``dpfl fit`` runs under ``private/`` (``runs/``, ``logs/``, ``done/``,
    the progress lines in ``private/progress.log``); they do not log to W&B (``WANDB_MODE=disabled``:
    the W&B server would learn ``K`` and every trial) unless the sweep runs through W&B
@@ -44,6 +45,7 @@ import itertools
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -201,10 +203,10 @@ def draw_state(source: rng.RandomSource, count: TrialCount, points: int) -> dict
     return {"count": k, "trials": trials}
 
 
-def load_or_draw(private_dir: str, fingerprint: str, secure: bool, seed: int, count: TrialCount,
-                 points: int) -> dict[str, Any]:
+def load_or_draw(private_dir: str, fingerprint: str, seed: int, count: TrialCount, points: int) -> dict[str, Any]:
     """The trials of this sweep: read from the private state file when it exists (a resumed sweep
-    never redraws), else drawn and written there (mode 0600)."""
+    never redraws), else drawn from a fresh secret (never from ``seed`` alone: see the module
+    docstring) and written there (mode 0600)."""
     path = os.path.join(private_dir, STATE)
     if os.path.isfile(path):
         with open(path) as f:
@@ -214,7 +216,7 @@ def load_or_draw(private_dir: str, fingerprint: str, secure: bool, seed: int, co
                               "(its file, seed or noise changed since they were drawn); drawing again would "
                               "select among two draws of K", "use a new --dir for the changed sweep")
         return state
-    source = rng.RandomSource(seed, rng.new_secret() if secure else None)
+    source = rng.RandomSource(seed, rng.new_secret())
     state = {"fingerprint": fingerprint, **draw_state(source, count, points)}
     os.makedirs(private_dir, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -282,17 +284,34 @@ def release(sweep: sweeps.Sweep, directory: str, space: Space, state: dict[str, 
     best = best_trial(sweep, state, private_dir) if state["count"] else None
     if best is not None:
         t, value = best
-        shutil.copytree(os.path.join(private_dir, "runs", t["name"]), os.path.join(out_dir, "runs", "selected"))
+        selected = os.path.join(out_dir, "runs", "selected")
+        # file contents only: copied times would date the selected trial against the sweep's end,
+        # a lower bound on how many trials ran after it
+        shutil.copytree(os.path.join(private_dir, "runs", t["name"]), selected, copy_function=shutil.copyfile)
         info.update(result="selected", value=value, parameters={**space.points[t["point"]], **extra},
                     label=space.labels[t["point"]])
     else:
-        info.update(result="nothing", why="the number of trials drawn was 0" if not state["count"] else
-                    "no trial logged the metric")
+        # one text whatever the cause: K = 0, or K >= 1 trials none of which logged a finite metric
+        # (a divergence that depends on the data); which one it was stays in private/
+        info.update(result="nothing", why="no trial was selected")
+        with open(os.path.join(private_dir, "nothing_selected.txt"), "w") as f:
+            f.write("the number of trials drawn was 0\n" if not state["count"] else "no trial logged the metric\n")
     with open(os.path.join(out_dir, SELECTION), "w") as f:
         json.dump(info, f, indent=1, default=str)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(summary_markdown(info))
+    _one_time(out_dir)
     return info
+
+
+def _one_time(root: str) -> None:
+    """Every file and folder under ``root`` dated at one time (now): the release's times say nothing
+    of when each part was made."""
+    now = time.time()
+    for folder, dirs, files in os.walk(root, topdown=False):
+        for name in files + dirs:
+            os.utime(os.path.join(folder, name), (now, now))
+    os.utime(root, (now, now))
 
 
 def summary_markdown(info: dict[str, Any]) -> str:
@@ -315,10 +334,11 @@ def summary_markdown(info: dict[str, Any]) -> str:
               f"{g['delta']:g} | same |", ""]
     lines += [f"- {line}" for line in g["lines"]]
     lines += ["", "Not released (the guarantee needs them secret): the number of trials and every trial but the "
-              "selected one (their hyperparameters, metrics and models)." + (" The trials ran in secure mode: the "
-              "number of trials came from a CSPRNG." if g["secure"] else " The trials ran as a simulation: the number "
-              "of trials and the trials are reproducible from the sweep's --seed, and the guarantee holds only towards "
-              "someone who does not know it."), ""]
+              "selected one (their hyperparameters, metrics and models). The number of trials, each trial's point, "
+              "seed and name came from a CSPRNG keyed by a fresh secret (never from the sweep's --seed)." +
+              (" The trials ran in secure mode." if g["secure"] else " The trials ran as simulations: each trial's own "
+               "noise is reproducible from its seed, and its guarantee holds towards someone who does not know it."),
+              ""]
     return "\n".join(lines)
 
 
@@ -439,7 +459,7 @@ def run_private(sweep: sweeps.Sweep, count: TrialCount, options: Options, out: A
         print(f"dpfl sweep: guarantee: {line}", file=out, flush=True)
     private_dir = os.path.join(options.directory, "private")
     fingerprint = _fingerprint(sweep, count, options.seed, extra)
-    state = load_or_draw(private_dir, fingerprint, guarantee.secure, options.seed, count, len(space.points))
+    state = load_or_draw(private_dir, fingerprint, options.seed, count, len(space.points))
     env = sweeps.environment(sweep, options.jobs, options.mpi)
     if options.wandb:
         start_wandb(sweep, space, extra, state["count"], env)
@@ -450,8 +470,9 @@ def run_private(sweep: sweeps.Sweep, count: TrialCount, options: Options, out: A
     env["WANDB_MODE"] = "disabled"  # the W&B server would learn K and every trial
     todo = trial_todo(sweep, space, state, private_dir, options.mpi, extra)
     if todo and not run_trials(sweep, todo, private_dir, options.jobs, env):
-        print(f"dpfl sweep {sweep.name}: a trial failed (see {private_dir}); nothing is released. Run the sweep "
-              "again: it resumes the same trials", file=out, flush=True)
+        # the same line whatever failed (a failure may depend on the data); the details are in private/
+        print(f"dpfl sweep {sweep.name}: the sweep did not finish (see {private_dir}); nothing is released. Run "
+              "the sweep again: it resumes the same trials", file=out, flush=True)
         return None
     info = release(sweep, options.directory, space, state, guarantee, extra)
     with open(os.path.join(options.directory, "released", "summary.md")) as f:

@@ -130,3 +130,22 @@ def test_auto_is_the_default_executor(log_dir):
     t = quiet_trainer(log_dir, rounds=1, clients_per_round=3)
     t.fit(TinyClassifier(), tiny_data())
     assert t.settings.executor == "auto" and t.executor.choice == "vmap"
+
+
+class HookedOptimizer(TinyClassifier):
+    """A step post-hook on the optimizer: under lightning.Trainer it runs at every step."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        opt.register_step_post_hook(lambda *a: setattr(self, "hook_calls", getattr(self, "hook_calls", 0) + 1))
+        return opt
+
+
+def test_an_optimizer_with_hooks_trains_sequentially_and_its_hooks_run(log_dir):
+    # vmap steps its own optimizer of the same class: the user's hook would silently not run
+    model = HookedOptimizer()
+    choice = _choice(log_dir, model)
+    assert "step post-hooks" in choice and choice.startswith("sequential"), choice
+    assert model.hook_calls > 0
+    with pytest.raises(Exception, match="step post-hooks"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=3, executor="vmap").fit(HookedOptimizer(), tiny_data())

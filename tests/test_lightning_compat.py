@@ -1190,10 +1190,12 @@ class SgdVariant(TinyClassifier):
 
 
 def _step_ranges(model, log_dir, lr_scheduler=None) -> int:
-    """Trains 2 rounds; the number of ``Optimizer.step#`` profiler ranges, which only the
+    """Trains 2 rounds with the sequential executor (the loop under test; vmap steps one optimizer for
+    a chunk of clients); the number of ``Optimizer.step#`` profiler ranges, which only the
     optimizer's own ``step`` opens."""
     with torch.autograd.profiler.profile() as prof:
-        quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6).fit(model, tiny_data(num_clients=3, samples=12))
+        quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6, executor="sequential").fit(
+            model, tiny_data(num_clients=3, samples=12))
     return sum(e.name.startswith("Optimizer.step#") for e in prof.function_events)
 
 

@@ -166,6 +166,11 @@ class VmapExecutor(Executor):
             raise ConfigError("trainer.executor", "vmap",
                               f"needs one elementwise optimizer ({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}) "
                               "and no LR scheduler", "use executor='sequential'")
+        attached = optimizer_calls.customisations(opts[0])
+        if attached:
+            raise ConfigError("trainer.executor", "vmap", f"the optimizer has {', '.join(attached)}, which the "
+                              "vectorised step (its own optimizer of the same class) does not call",
+                              "use executor='sequential'")
         self._opt_class = type(opts[0])
         # plain SGD (no momentum, weight decay or maximize): its step is p -= lr * g, done directly
         # (torch's SGD.step costs ~0.1 ms of bookkeeping per call on the stacked parameters)

@@ -77,6 +77,19 @@ def steps_directly(optimizer: torch.optim.Optimizer) -> bool:
     return _scheduler_wrapper_only(optimizer)
 
 
+def customisations(optimizer: torch.optim.Optimizer) -> list[str]:
+    """What the user attached to ``optimizer`` beyond its class and settings: step pre-/post-hooks
+    (its own or torch's global ones) and methods replaced on the instance (``step``, ``zero_grad``).
+    An executor that steps its own optimizer built from the class would skip them."""
+    found = []
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or _global_hooks("pre"):
+        found.append("step pre-hooks")
+    if getattr(optimizer, "_optimizer_step_post_hooks", None) or _global_hooks("post"):
+        found.append("step post-hooks")
+    found += [f"{name} replaced on the instance" for name in ("step", "zero_grad") if name in optimizer.__dict__]
+    return found
+
+
 def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     """``torch.optim.SGD`` itself whose update is ``p -= lr * grad`` in every group: no momentum,
     weight decay, ``maximize``, ``differentiable``, ``foreach`` or ``fused``, and a number for ``lr``."""

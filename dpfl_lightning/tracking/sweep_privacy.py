@@ -27,11 +27,13 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.privacy.selection_accounting import Trial
 from dpfl_lightning.tracking.run_files import is_private_run
+
+if TYPE_CHECKING:  # the accountants load dp_accounting and scipy: `dpfl sweep` starts without them
+    from dpfl_lightning.privacy.selection_accounting import Trial
 
 RELEASE_KINDS = "release_kinds.json"  # as dpfl_lightning.run.log_setup writes it
 ADMISSIBLE = ("public", "noised", "evaluation")

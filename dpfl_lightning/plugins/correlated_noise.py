@@ -58,6 +58,7 @@ from dpfl_lightning.privacy.correlated_noise import noise_generator
 from dpfl_lightning.privacy.mechanisms import Mechanism, Stream
 from dpfl_lightning.privacy.mf_optimize import banded, blt
 from dpfl_lightning.privacy.mf_sensitivity import sensitivity_details
+from dpfl_lightning.plugins.sensitivity import required_update_bound
 
 STRATEGIES = ("tree", "banded", "blt", "independent")
 AMPLIFIABLE = ("banded", "independent")
@@ -155,11 +156,8 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
             raise ConfigError("CorrelatedNoise.strategy", self.strategy_name, "amplification by sampling inside the "
                               "cyclic groups is proven for banded factorizations (columns b apart do not overlap), "
                               "not for a tree or a BLT", "use strategy='banded', or sampling='cyclic'")
-        self._bound = ctx.norm_bound((UPDATE,), before=self)
-        if self._bound is None:
-            raise ConfigError("CorrelatedNoise", self.strategy_name, "the noise is scaled to a norm bound on the "
-                              "update, and no UpdateClipping or UpdateNormalization bounds it before the noise",
-                              "add UpdateClipping(C) to the plugins")
+        self._bound = required_update_bound(ctx, self, "CorrelatedNoise", self.strategy_name,
+                                            "the noise is scaled to a norm bound on the update")
         self.rounds, self.groups = ctx.rounds, ctx.sampler.groups
         if self.bands is not None and self.bands > min(self.groups, self.rounds):
             raise ConfigError("CorrelatedNoise.bands", self.bands, f"a {self.bands}-banded C needs participations "

@@ -92,6 +92,7 @@ from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
 from dpfl_lightning.privacy import discrete_accounting as da
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.privacy.quantization import padded_dim
+from dpfl_lightning.plugins.sensitivity import required_update_bound
 
 SEGMENT = "integer_sum"
 ROTATION = rng.register_purpose("DiscreteDistributedNoise.rotation", private=False)  # public per-round key
@@ -203,11 +204,8 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
     def setup(self, *, ctx) -> None:
         require(ctx.weighting == "uniform", "trainer.weighting", ctx.weighting, "the secure sum is an unweighted "
                 "sum of clients' rows", "use weighting='uniform' with DiscreteDistributedNoise")
-        self._bound = ctx.norm_bound((UPDATE,), before=self)
-        if self._bound is None:
-            raise ConfigError("DiscreteDistributedNoise", self.mechanism, "integer noise is sized to a norm bound on "
-                              "the update and no UpdateClipping or UpdateNormalization bounds it before the noise",
-                              "add UpdateClipping(C) to the plugins before DiscreteDistributedNoise")
+        self._bound = required_update_bound(ctx, self, "DiscreteDistributedNoise", self.mechanism,
+                                            "integer noise is sized to a norm bound on the update")
         moving = ctx.moving_bound((UPDATE,), before=self)
         if moving is not None:
             raise ConfigError("DiscreteDistributedNoise", moving, "the grid gamma and the modulus are fixed at set-up "

@@ -24,6 +24,7 @@ from dpfl_lightning.federated.payload import UPDATE, Segment
 from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.privacy import privunit
 from dpfl_lightning.privacy.mechanisms import Mechanism
+from dpfl_lightning.plugins.sensitivity import required_update_bound
 
 PRIVUNIT = rng.register_purpose("PrivUnitRandomizer.privunit")
 
@@ -53,10 +54,7 @@ class PrivUnitRandomizer(FederatedCallback):
         return self.eps0 + self.eps1 + self.eps2
 
     def setup(self, *, ctx) -> None:
-        bound = ctx.norm_bound((UPDATE,), before=self)
-        if bound is None:
-            raise ConfigError("PrivUnitRandomizer", "update", "ScalarDP needs the update's norm bound C",
-                              "add UpdateClipping(C) before it")
+        bound = required_update_bound(ctx, self, "PrivUnitRandomizer", "update", "ScalarDP needs the update's norm bound C")
         moving = ctx.moving_bound((UPDATE,), before=self)
         if moving is not None:
             raise ConfigError("PrivUnitRandomizer", moving, "ScalarDP's range [0, C] and PrivUnit's constants are "

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dpfl_lightning.errors import require
+from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE, Segment
 from dpfl_lightning.plugins.callback import ORDER_BOUND_SENSITIVITY, FederatedCallback
 from dpfl_lightning.federated.releases import MetricRelease
@@ -25,6 +25,16 @@ _MARGIN = 1.0 - 2.0**-22
 
 
 _BLOCK = 1 << 20  # values converted to float64 at a time (a whole large model at once is ~7x slower)
+
+
+def required_update_bound(ctx, plugin: FederatedCallback, setting: str, value: object, why: str) -> float:
+    """The norm bound on the update that a plugin placed before ``plugin`` enforces (the set-up
+    context's ``norm_bound``); refused, naming ``setting=value`` and ``why`` it needs one, when none does."""
+    bound = ctx.norm_bound((UPDATE,), before=plugin)
+    if bound is None:
+        raise ConfigError(setting, value, f"{why}, and no UpdateClipping or UpdateNormalization bounds the update "
+                          "before it", f"add UpdateClipping(C) to the plugins before {type(plugin).__name__}")
+    return bound
 
 
 def _norm(parts: list[torch.Tensor]) -> float:

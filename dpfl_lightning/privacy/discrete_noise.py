@@ -25,16 +25,17 @@ Exactness argument (every random decision is one of four kinds):
    ``hi - lo + 2^-53``, ~1e-12) ``f`` is computed as a :class:`fractions.Fraction` and compared
    with ``U``'s prefix in integer arithmetic, word after word, until decided. The interval only
    decides *when* the exact computation runs, never the outcome, provided it contains ``f``: the
-   discrete Gaussian's interval comes from IEEE-754 arithmetic (+, -, x, / correctly rounded) with
-   a margin 32 times the worst-case rounding error; the Poisson sampler's from ``log``/``log1p``/
-   ``exp`` with a margin of ``2^-36`` (relative), ~10^5 times these functions' error in any libm.
+   CKS reference's and the Poisson sampler's intervals come from IEEE-754 arithmetic (+, -, x, /
+   and int-to-float conversion, correctly rounded) with margins of at least 16 times the worst-case
+   rounding error, and from nothing else.
 3. Bernoulli(``exp(-gamma)``) for rational ``gamma``: Canonne, Kamath, Steinke (NeurIPS 2020),
    Algorithm 1: ``floor(gamma)`` Bernoulli(``exp(-1)``) trials, then the series loop
    ``A ~ Bernoulli(g / K)`` for the fractional part ``g``, drawn as Bernoulli(``g``) and
    Bernoulli(``1/K``) (independent, so their product is Bernoulli(``g/K``)).
 4. Bernoulli(``a``) for a real ``a`` such as ``exp(-gamma) 2^b`` (:func:`bernoulli_enclosed`): the
    lazy comparison of kind 2 with a float interval from ``numpy.exp`` (margin ``2^-40``
-   relative, the libm assumption of the Poisson sampler below); undecided (probability ~1e-11),
+   relative: the assumption that ``exp`` is within ``2^-41`` relative, ~2^11 times its error in
+   any libm, the one assumption beyond IEEE-754 in this module); undecided (probability ~1e-11),
    ``a`` is enclosed between rationals by :func:`exp_neg_fixed` (alternating Taylor series and
    repeated squaring, every bound rounded outward), refined until it separates from ``U``'s
    prefix, read word after word.
@@ -49,16 +50,27 @@ are kept, at three words each. :func:`discrete_gaussian_cks` is CKS Algorithm 3 
 Laplace proposal of integer scale ``t = floor(sigma) + 1``, Algorithm 2, accepted with
 Bernoulli(``exp(-(|Y| - sigma^2/t)^2 / (2 sigma^2))``)), kinds 1-3 only, the slower reference.
 
-The Poisson sampler is rejection from a proposal with rational weights: a block
-``b`` of ``w = ceil(sqrt(lam))`` integers around the mode with probability ``2^-(|b|+2)``, uniform
-inside it; the acceptance ``p(k) 2^|b| / (p(mode) M)`` is rational because ``p(k)/p(mode) =
-lam^(k - mode) mode!/k!``, and ``M`` (its maximum) is found exactly from the log-concavity of the
-Poisson pmf. Skellam(``lam``) is Poisson(``lam``) - Poisson(``lam``): variance ``2 lam``; a sum of
-independent Skellams is Skellam with the summed parameter.
+The Poisson sampler (:func:`poisson`) is rejection from a proposal with integer weights, built
+once a ``lam`` (:func:`poisson_table`, cached) and decided in one vector pass a batch at about two
+words a draw. Around the mode ``m = floor(lam)`` (``+- 8 sqrt(lam) + 16``), exact integer bounds
+``u_k <= 2^160 R_k <= u_k + |k - m|`` of ``R_k = p(k)/p(m) = lam^(k-m) m!/k!`` come from the
+recurrence ``R_(k+1) = R_k lam/(k+1)`` run outward in integers, rounded down
+(:func:`pmf_ratio_bounds`); blocks of ``B = floor(sqrt(lam)/32)`` integers get the integer weight
+``W_b >= 2^K R_k`` for each of their ``k`` (``K`` makes the weights sum to ~2^45); beyond the table,
+two geometric tails (block ``j`` of width ``v`` with weight ``H 2^-j``, ``H`` the table end's weight,
+``v`` such that ``R_k`` halves over ``v`` steps, checked in integers) cover every ``k >= 0``. A
+candidate is one word uniform on the total weight (kind 1), mapped to a block and an offset by an
+alias table in integers (:func:`integer_alias`: a bijection, so ``P(k) = W_b / total`` exactly), and
+is kept with Bernoulli(``2^K R_k / W_b``) (kind 2: float bounds from ``u_k`` within ~2^-48; the
+exact ``Ratio`` when undecided, probability ~1e-14). About 1.2% of the candidates are rejected
+(the blocks' flat tops). No ``log``/``exp`` is involved: the Poisson draws are exact given correctly
+rounded IEEE-754 arithmetic alone. Skellam(``lam``) is Poisson(``lam``) - Poisson(``lam``): variance
+``2 lam``; a sum of independent Skellams is Skellam with the summed parameter.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 from typing import Callable, NamedTuple
@@ -93,7 +105,7 @@ class WordSource:
         if hasattr(self.stream, "words"):
             return np.asarray(self.stream.words(n), dtype=np.uint64)
         gen = getattr(self.stream, "cpu_generator", None) or self.stream.generator
-        return torch.randint(0, _TWO53, (n,), generator=gen, dtype=torch.int64).numpy().astype(np.uint64)
+        return torch.randint(0, _TWO53, (n,), generator=gen, dtype=torch.int64).numpy().view(np.uint64)
 
     def words(self, n: int) -> np.ndarray:
         """``n`` independent uniform integers in ``[0, 2^53)`` (uint64)."""
@@ -173,7 +185,7 @@ def randint_below(src: WordSource, m: int, size: int) -> np.ndarray:
     bookkeeping."""
     limit = np.uint64((_TWO53 // m) * m)
     w = src.words(size)
-    out = (w % np.uint64(m)).astype(np.int64)
+    out = (w % np.uint64(m)).view(np.int64)  # below 2^53
     bad = np.flatnonzero(w >= limit)
     if bad.size:  # probability below m / 2^53 a word
         out[bad] = randint(src, np.full(bad.size, m, dtype=np.int64))
@@ -460,43 +472,12 @@ def discrete_gaussian(source: object, sigma2: float | Fraction, n: int) -> np.nd
 
 
 # ------------------------------------------------------------------------------ Poisson, Skellam
-MAX_POISSON = 2**26  # lam above this: the exact envelope and rare exact comparisons take seconds
-_STIRLING_FROM = 16  # ln k! by Stirling's series from here, by gammaln below
-_MARGIN = 2.0**-36
-
-
-def _stirling_tail(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``s(x) = ln x! - ((x + 1/2) ln x - x + ln(2 pi)/2)`` by its series to ``x^-5`` and the bound
-    on the error (the first omitted term: the series alternates, x > 0)."""
-    x = x.astype(np.float64)
-    s = 1.0 / (12.0 * x) - 1.0 / (360.0 * x**3) + 1.0 / (1260.0 * x**5)
-    return s, 1.0 / (1680.0 * x**7)
-
-
-def _log_ratio(k: np.ndarray, m: int, lam: Fraction) -> tuple[np.ndarray, np.ndarray]:
-    """``ln(p(k) / p(m)) = (k - m) ln lam - ln(k!/m!)`` for the Poisson(``lam``) pmf, in float64,
-    and a bound on its error (the ``_MARGIN`` assumption on log/log1p, see module docstring)."""
-    from scipy.special import gammaln
-
-    j = (k - m).astype(np.float64)
-    out = np.empty(k.shape)
-    err = np.empty(k.shape)
-    big = (k >= _STIRLING_FROM) & (m >= _STIRLING_FROM)
-    if big.any():  # the stable form: no cancellation between ln k! and ln m!
-        kb, jb = k[big].astype(np.float64), j[big]
-        l1 = math.log1p(float((lam - m) / m))
-        lk = np.log1p(jb / m)
-        sk, ek = _stirling_tail(kb)
-        sm, em = _stirling_tail(np.array([float(m)]))
-        out[big] = jb * l1 - (kb + 0.5) * lk + jb - sk + sm
-        err[big] = _MARGIN * (np.abs(jb) * abs(l1) + (kb + 0.5) * np.abs(lk) + np.abs(jb) + 1.0) + ek + em
-    small = ~big
-    if small.any():
-        lnk, lnm = gammaln(k[small] + 1.0), float(gammaln(m + 1.0))
-        jl = j[small] * math.log(float(lam))
-        out[small] = jl - (lnk - lnm)
-        err[small] = _MARGIN * (np.abs(jl) + lnk + lnm + 1.0)
-    return out, err
+MAX_POISSON = 2**30  # lam above this: the table (16 sqrt(lam) entries) takes ~0.5 s and 12 MB to build
+TABLE_SIGMAS = 8  # the table spans the mode +- (8 sqrt(lam) + 16); beyond it, the geometric tails
+FIXED_BITS = 160  # fixed-point precision of the exact pmf-ratio bounds
+TOTAL_BITS = 45  # the table's weights sum to about 2^45: a randint word is rejected with probability < 2^-8
+BLOCKS_PER_SIGMA = 32  # blocks of floor(sqrt(lam) / 32) integers share a weight: ~1% rejected, a small table
+POISSON_CHUNK = 1 << 16  # draws a vector pass (arrays that stay in cache)
 
 
 class Ratio(NamedTuple):
@@ -507,10 +488,6 @@ class Ratio(NamedTuple):
 
     def times(self, num: int, den: int = 1) -> Ratio:
         return Ratio(self.numerator * num, self.denominator * den)
-
-    def __lt__(self, other: object) -> bool:  # type: ignore[override]
-        assert isinstance(other, Ratio)
-        return self.numerator * other.denominator < other.numerator * self.denominator
 
 
 def _range_product(lo: int, hi: int) -> int:
@@ -528,92 +505,252 @@ def _ratio_exact(k: int, m: int, lam: Fraction) -> Ratio:
     return Ratio(lam.denominator ** (m - k) * _range_product(k + 1, m + 1), lam.numerator ** (m - k))
 
 
-def _block_peak(b: int, m: int, w: int) -> int:
-    """The ``k`` of block ``b`` where ``p(k)`` is largest: the end nearest the mode ``m``."""
-    return m + b * w if b >= 0 else m + (b + 1) * w - 1
+def pmf_ratio_bounds(lam: Fraction, m: int, k_lo: int, k_hi: int, bits: int = FIXED_BITS) -> list[int]:
+    """Integers ``u_k`` for ``k = k_lo .. k_hi`` (``k_lo <= m <= k_hi``) with ``u_k <= R_k 2^bits <= u_k +
+    |k - m|``, where ``R_k = p(k) / p(m)`` for the Poisson(``lam``) pmf and ``m = floor(lam)``, in exact
+    integer arithmetic: ``u_m = 2^bits`` and outward from the mode ``R_(k+1) = R_k lam / (k + 1)``,
+    ``R_(k-1) = R_k k / lam``, each step rounded down. Each factor is at most 1 (``k + 1 > lam`` above
+    the mode, ``k <= lam`` below it), so a step adds less than one unit to the error and never enlarges
+    it."""
+    num, den = lam.numerator, lam.denominator
+    up: list[int] = []
+    push, x = up.append, 1 << bits
+    for d in range(den * (m + 1), den * (k_hi + 1), den):  # d = den (k + 1), k = m .. k_hi - 1
+        x = x * num // d
+        push(x)
+    down: list[int] = []
+    push, x = down.append, 1 << bits
+    for k in range(m * den, k_lo * den, -den):  # k den, k = m .. k_lo + 1
+        x = x * k // num
+        push(x)
+    return down[::-1] + [1 << bits] + up
 
 
-def _envelope(lam: Fraction, m: int, w: int) -> Ratio:
-    """``M = max_k p(k)/p(m) 2^|b(k)|``, exactly: ``ln p`` is concave and ``p`` peaks at the mode
-    ``m = floor(lam)``, so along each side the block peaks' values are log-concave in ``b``: climb
-    while the next is no smaller."""
-    def value(b: int) -> Ratio:
-        return _ratio_exact(_block_peak(b, m, w), m, lam).times(1 << abs(b))
+class AliasTable(NamedTuple):
+    """Walker's alias method on integer masses, exact: the word ``u`` uniform on ``[0, capacity n)`` is
+    bucket ``i = u // capacity`` at ``r = u % capacity``; the bucket holds ``cut[i]`` units of entry
+    ``i`` (from its offset ``own_base[i]``) and the rest of entry ``alias[i]`` (from ``alias_base[i]``).
+    Each entry's pieces tile ``[0, mass)``, so :meth:`locate` maps the ``capacity n`` words one to one onto
+    the pairs (entry, offset below its mass); entry ``n - 1`` is padding (see :func:`integer_alias`)."""
 
-    best = value(0)
-    for step in (1, -1):
-        b = step
-        if _block_peak(b, m, w) < 0:
-            continue
-        here = value(b)
-        while _block_peak(b + step, m, w) >= 0:
-            nxt = value(b + step)
-            if nxt < here:
-                break
-            b, here = b + step, nxt
-        best = here if best < here else best
-    return best
+    capacity: int
+    cut: np.ndarray  # int64 arrays, one element a bucket
+    alias: np.ndarray
+    own_base: np.ndarray
+    alias_base: np.ndarray
 
-
-def _two_sided_geometric(src: WordSource, size: int) -> np.ndarray:
-    """Block indices ``b`` with ``P(b) = 2^-(|b| + 2)``: a sign bit and a geometric count of
-    trailing zero bits, (minus, 0) redrawn as rejected."""
-    g = np.zeros(size, dtype=np.int64)
-    todo = np.arange(size)
-    while todo.size:
-        w = src.words(todo.size)
-        low = w & (~w + np.uint64(1))
-        zero = w == 0
-        g[todo[~zero]] += np.log2(low[~zero].astype(np.float64)).astype(np.int64)
-        g[todo[zero]] += WORD_BITS
-        todo = todo[zero]
-    neg = (src.words(size) & np.uint64(1)).astype(bool)
-    b = np.where(neg, -g, g)
-    b[neg & (g == 0)] = np.iinfo(np.int64).min  # rejected
-    return b
+    def locate(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The entry and the offset in its mass of each word ``u`` (int64, ``0 <= u < capacity n``)."""
+        i = u // self.capacity
+        r = u - i * self.capacity
+        cut = self.cut[i]
+        own = r < cut
+        return np.where(own, i, self.alias[i]), np.where(own, self.own_base[i] + r, self.alias_base[i] + r - cut)
 
 
-def poisson(source: object, lam: float | Fraction, n: int) -> np.ndarray:
+def integer_alias(masses: list[int]) -> AliasTable:
+    """The alias table (Vose's construction, in integers) of ``masses`` and one more entry, padding of
+    mass ``capacity n - sum(masses)`` (below ``n``) where ``capacity = ceil(sum / n)`` and ``n =
+    len(masses) + 1``."""
+    n = len(masses) + 1
+    capacity = -(-sum(masses) // n)
+    mass = list(masses) + [capacity * n - sum(masses)]
+    used = [0] * n  # units of each entry placed so far, from offset 0 up
+    cut, alias, own_base, alias_base = [capacity] * n, list(range(n)), [0] * n, [0] * n
+    small = [i for i in range(n) if mass[i] < capacity]
+    large = [i for i in range(n) if mass[i] > capacity]
+    while small:  # the entries still open hold capacity units each on average: a large one exists
+        i, j = small.pop(), large.pop()
+        cut[i], own_base[i], used[i] = mass[i] - used[i], used[i], mass[i]  # bucket i: the rest of entry i
+        alias[i], alias_base[i] = j, used[j]  # topped up with entry j's next units
+        used[j] += capacity - cut[i]
+        left = mass[j] - used[j]
+        if left < capacity:
+            small.append(j)
+        elif left > capacity:
+            large.append(j)
+    for i in range(n):  # the rest: entries with exactly capacity units left, their own bucket whole
+        if used[i] < mass[i]:
+            assert mass[i] - used[i] == capacity and cut[i] == capacity
+            own_base[i] = used[i]
+    as64 = [np.array(x, dtype=np.int64) for x in (cut, alias, own_base, alias_base)]
+    return AliasTable(capacity, *as64)
+
+
+class PoissonTail(NamedTuple):
+    """A geometric tail of the proposal beyond the table: from ``start`` in direction ``step`` (+1 or
+    -1), block ``j`` (``width`` integers, probability ``2^-(j+1)`` within the tail) with weight
+    ``height 2^-j`` an integer, in the table's units; the tail's total weight is ``2 width height``."""
+
+    start: int
+    step: int
+    width: int
+    height: int
+
+
+class PoissonTable(NamedTuple):
+    """The exact rejection proposal of :func:`poisson` for one ``lam`` (see :func:`poisson_table`)."""
+
+    lam: Fraction
+    mode: int
+    k_lo: int  # the table holds k = k_lo .. k_lo + accept_lo.size - 1
+    shift: int  # K: a block's weight W_b is at least 2^K R_k for each of its k
+    width: int  # B: integers a block (the last one may be shorter)
+    block_weights: np.ndarray  # W_b, int64
+    blocks: AliasTable  # the blocks' masses W_b |b| (and padding, rejected)
+    accept_lo: np.ndarray  # float64 bounds, for each k of the table, of its acceptance 2^K R_k / W_b(k)
+    accept_hi: np.ndarray
+    tails: tuple[PoissonTail, ...]
+    total: int  # the proposal's total weight (table and tails), below 2^53
+
+    def tail_total(self) -> int:
+        return sum(2 * t.width * t.height for t in self.tails)
+
+    def table_total(self) -> int:
+        return self.blocks.capacity * self.blocks.cut.size
+
+
+def _tail_width(lam: Fraction, start: int, step: int) -> int:
+    """The smallest ``v >= 1`` with ``rho^v <= 1/2`` (exact), ``rho = lam / (start + 1)`` above the table
+    and ``start / lam`` below it: ``R_k`` then falls at least by half over every block of ``v``."""
+    num, den = (lam.numerator, lam.denominator * (start + 1)) if step > 0 else (start * lam.denominator, lam.numerator)
+    if num == 0:
+        return 1
+
+    def halves(v: int) -> bool:
+        return 2 * num**v <= den**v
+
+    v = max(1, math.ceil(_LN2 / (math.log(den) - math.log(num))) - 1)
+    while not halves(v):
+        v += 1
+    while v > 1 and halves(v - 1):
+        v -= 1
+    return v
+
+
+@functools.lru_cache(maxsize=8)
+def poisson_table(lam: Fraction, half_width: int | None = None) -> PoissonTable:
+    """The proposal for Poisson(``lam``) (module docstring): over ``k = mode +- half_width`` (default
+    ``8 sqrt(lam) + 16``) the integer weights ``W_k = floor(u_k 2^(K - bits) (1 + 2^-50)) + 2``, at least
+    ``2^K R_k`` (:func:`pmf_ratio_bounds`: ``u_k <= 2^bits R_k <= u_k + |k - m|``), in correctly rounded
+    float operations whose results are exact or bounded with margins; ``K`` makes them sum to about
+    ``2^45``. Beyond, two geometric tails (:class:`PoissonTail`) whose heights are the weights at the
+    table's ends and whose block width halves ``R_k`` (:func:`_tail_width`, exact). The acceptance
+    ``2^K R_k / W_k`` is enclosed by ``accept_lo`` and ``accept_hi``, within ~2^-48 of each other.
+    Cached: a run passes one ``lam`` to every client."""
+    m = math.floor(lam)
+    half = math.isqrt(math.ceil(TABLE_SIGMAS**2 * lam)) + 17 if half_width is None else int(half_width)
+    k_lo, k_hi = max(0, m - half), m + half
+    ext_lo = max(0, k_lo - 1)
+    u = pmf_ratio_bounds(lam, m, ext_lo, k_hi + 1)
+    uf = np.fromiter(map(float, u), dtype=np.float64, count=len(u))  # each within a relative 2^-53 of u_k
+    dist = np.abs(np.arange(ext_lo, k_hi + 2) - m).astype(np.float64)
+    K = TOTAL_BITS - math.ceil(math.log2(float(uf.sum()) * 2.0**-FIXED_BITS))
+    s = FIXED_BITS - K
+    assert s > 24 and dist[0] < 2**24 and dist[-1] < 2**24
+    lower = np.ldexp(uf, -s)  # ~ u_k 2^-s <= 2^K R_k <= (u_k + d_k) 2^-s < u_k 2^-s + 1
+    # floor(x (1 + 2^-50)) + 2 > u_k 2^-s + 1: an integer weight >= 2^K R_k, by correctly rounded float ops
+    bound = np.floor(lower * (1 + 2.0**-50)) + 2.0
+    inner = slice(k_lo - ext_lo, len(u) - 1)
+    width = max(1, math.isqrt(math.floor(lam)) // BLOCKS_PER_SIGMA)
+    starts = np.arange(0, k_hi + 1 - k_lo, width)
+    block_w = np.maximum.reduceat(bound[inner], starts)  # exact: integers below 2^53
+    wf = np.repeat(block_w, width)[: k_hi + 1 - k_lo]
+    # the acceptance 2^K R_k / W_b(k), between these with margins over three or four roundings of 2^-53
+    accept_lo = lower[inner] / wf * (1 - 2.0**-49)
+    accept_hi = np.minimum((lower[inner] + np.ldexp(dist[inner], -s)) / wf * (1 + 2.0**-49), 1.0)
+    tails = [PoissonTail(k_hi + 1, 1, _tail_width(lam, k_hi + 1, 1), int(bound[-1]))]
+    if k_lo > 0:
+        tails.append(PoissonTail(k_lo - 1, -1, _tail_width(lam, k_lo - 1, -1), int(bound[0])))
+    weights = block_w.astype(np.int64)
+    lengths = np.diff(np.append(starts, k_hi + 1 - k_lo))
+    blocks = integer_alias([int(w) * int(n) for w, n in zip(weights, lengths)])
+    table = PoissonTable(lam, m, k_lo, K, width, weights, blocks, accept_lo, accept_hi, tuple(tails), 0)
+    table = table._replace(total=table.table_total() + table.tail_total())
+    require(table.total < _TWO53, "poisson.lam", float(lam), "gives a proposal too large for one word",
+            f"keep lam <= {MAX_POISSON}")
+    for a in (weights, accept_lo, accept_hi, *blocks[1:]):
+        a.flags.writeable = False
+    return table
+
+
+def _tail_candidates(table: PoissonTable, src: WordSource,
+                     offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates whose proposal word fell ``offset`` past the table's weight, in a tail: the tail by
+    its share of the weight, block ``j`` with probability ``2^-(j+1)`` (:func:`signed_geometric`, sign
+    unused), uniform inside it. Returns ``k``, ``j`` and the tail's height (int64 arrays)."""
+    right = table.tails[0]
+    left = table.tails[-1]
+    is_right = offset < 2 * right.width * right.height
+    j, _ = signed_geometric(src, offset.size)
+    width = np.where(is_right, right.width, left.width)
+    inside = randint(src, width)
+    k = np.where(is_right, right.start + j * width + inside, left.start - j * width - inside)
+    return k, j, np.where(is_right, right.height, left.height)
+
+
+def _poisson_candidates(table: PoissonTable, src: WordSource, size: int, exact: bool) -> np.ndarray:
+    """One vector pass of :func:`poisson`'s rejection sampler: ``size`` proposals from one word each
+    (``u`` by :func:`randint_below` on the total weight: below the table's, the block ``b`` and the
+    offset ``o < W_b |b|`` that the alias table maps it to, and ``k`` the block's ``o // W_b``-th
+    integer, uniform; above, a tail, :func:`_tail_candidates`), each kept with probability ``2^K R_k /
+    W_b`` by the lazy comparison (one word; the exact rational when undecided, or always when
+    ``exact``). Returns the kept ``k``."""
+    u = randint_below(src, table.total, size)
+    in_table = table.table_total()
+    blk, offset = table.blocks.locate(np.minimum(u, in_table - 1))
+    pad = table.block_weights.size  # the alias table's padding entry: rejected
+    w = table.block_weights[np.minimum(blk, pad - 1)]
+    at = np.minimum(blk * table.width + offset // w, table.accept_lo.size - 1)
+    k = table.k_lo + at
+    lo, hi = table.accept_lo[at], table.accept_hi[at]
+    padded = (blk == pad) & (u < in_table)
+    lo[padded], hi[padded] = 0.0, 0.0
+    tail = np.flatnonzero(u >= in_table)
+    in_tail: dict[int, tuple[int, int]] = {}
+    if tail.size:  # probability ~1e-15 with the default table
+        kt, j, height = _tail_candidates(table, src, u[tail] - in_table)
+        k[tail] = kt
+        lo[tail], hi[tail] = 0.0, (kt >= 0).astype(np.float64)  # k < 0: rejected
+        in_tail = {int(i): (int(a), int(h)) for i, a, h in zip(tail, j, height)}
+    if exact:
+        lo, hi = np.zeros(size), np.where((k >= 0) & ~padded, 1.0, 0.0)
+
+    def accept(i: int) -> Ratio:
+        ratio = _ratio_exact(int(k[i]), table.mode, table.lam)
+        if i in in_tail:
+            j_i, height_i = in_tail[i]
+            return ratio.times(1 << (table.shift + j_i), height_i)
+        return ratio.times(1 << table.shift, int(w[i]))
+
+    return k[bernoulli_interval(src, lo, hi, accept)]
+
+
+def poisson(source: object, lam: float | Fraction, n: int, exact_reference: bool = False) -> np.ndarray:
     """``n`` exact draws of Poisson(``lam``), ``lam`` a positive rational (a float is the rational
-    it stores), int64 (rejection from rational-weight blocks, see module docstring)."""
+    it stores), int64: rejection from :func:`poisson_table`'s proposal (module docstring), about two
+    words a draw. ``exact_reference=True`` decides every acceptance in exact rational arithmetic
+    (slow): the float filter only decides *when* that runs, so both give the same draws from the same
+    stream."""
     src = _as_source(source)
     lamf = as_fraction(lam, "poisson.lam")
     require(lamf <= MAX_POISSON, "poisson.lam", float(lamf), f"is above {MAX_POISSON:.3g}, where the exact sampler's "
-            "set-up and rare exact comparisons cost seconds", "use a coarser grid (a larger gamma): noise of std "
+            "table takes seconds and ~10 MB to build", "use a coarser grid (a larger gamma): noise of std "
             "2^12 grid steps already makes rounding's share of the variance negligible")
-    m = math.floor(lamf)
-    w = max(1, math.isqrt(math.ceil(lamf) - 1) + 1)  # ceil(sqrt(lam))
-    envelope = _envelope(lamf, m, w)
-    ln_env = math.log(envelope.numerator) - math.log(envelope.denominator)
-    parts, have = [], 0
+    table = poisson_table(lamf)
+    parts, have = [np.zeros(0, dtype=np.int64)], 0
     while have < n:
-        size = int((n - have) * 2.5) + 16
-        b = _two_sided_geometric(src, size)
-        u = randint(src, np.full(size, w, dtype=np.int64))
-        ok = b != np.iinfo(np.int64).min
-        k = m + b * w + u
-        ok &= k >= 0
-        k, b = k[ok], b[ok]
-        log_r, err = _log_ratio(k, m, lamf)
-        log_a = log_r + np.abs(b) * _LN2 - ln_env
-        err = err + 2.0**-40 * (np.abs(b) * _LN2 + abs(ln_env) + 1.0)
-        lo = np.exp(log_a - err) * (1 - 2.0**-40)
-        hi = np.minimum(np.exp(log_a + err) * (1 + 2.0**-40), 1.0)
-
-        def accept_p(i: int, k=k, b=b) -> Ratio:
-            r = _ratio_exact(int(k[i]), m, lamf).times(1 << abs(int(b[i])))
-            return r.times(envelope.denominator, envelope.numerator)
-
-        keep = bernoulli_interval(src, lo, hi, accept_p)
-        parts.append(k[keep])
-        have += int(keep.sum())
+        need = min(n - have, POISSON_CHUNK)  # ~1.2% of the candidates are rejected
+        kept = _poisson_candidates(table, src, need + need // 50 + 16, exact_reference)
+        parts.append(kept)
+        have += kept.size
     return np.concatenate(parts)[:n]
 
 
-def skellam(source: object, lam: float | Fraction, n: int) -> np.ndarray:
+def skellam(source: object, lam: float | Fraction, n: int, exact_reference: bool = False) -> np.ndarray:
     """``n`` exact draws of Skellam(``lam``) = Poisson(``lam``) - Poisson(``lam``): mean 0,
     variance ``2 lam``; ``n`` clients' Skellam(``lam``) sum to Skellam(``n lam``). int64."""
-    x = poisson(source, lam, 2 * n)
+    x = poisson(source, lam, 2 * n, exact_reference)
     return x[:n] - x[n:]
 
 

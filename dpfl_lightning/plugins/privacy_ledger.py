@@ -11,6 +11,14 @@ granularity and towards whom) for the trainer's client sampling, and composes th
   know the cohorts, so it uses the binomial participation bound of
   :mod:`dpfl_lightning.privacy.planning` instead (its tail is folded into delta).
 
+A mechanism that may stop the run at a round whose shortfall depends on the hidden sample
+(``stop_probability``: DiscreteDistributedNoise under Poisson sampling) charges ``(1 + e^eps) s`` to
+the delta of the guarantees towards model observers, ``s`` the stop's probability over the rounds
+accounted: they report the least ``eps`` with ``eps >= eps_I(delta - tail - (1 + e^eps) s)``
+(:func:`~dpfl_lightning.privacy.guarantees.epsilon_with_stop`, the "bad event" argument in
+:mod:`dpfl_lightning.privacy.guarantees`); a run where none exists over its planned rounds is refused
+at set-up.
+
 Its state is checkpointed, so a resumed run continues the same ledger: no double counting, no
 reset. With ``budget`` set, training stops *before* a round after which epsilon would exceed the
 budget. The trainer adds a ledger with default settings when a mechanism is declared and none was
@@ -28,7 +36,7 @@ import numpy as np
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.callback import ORDER_LEDGER, FederatedCallback
 from dpfl_lightning.privacy.accountants import PLD_DISCRETIZATION, accountant_used, create_accountant, epsilon
-from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, guarantees
+from dpfl_lightning.privacy.guarantees import Guarantee, default_delta, epsilon_with_stop, guarantees, stop_refusal
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.federated.releases import MetricRelease
 
@@ -116,6 +124,7 @@ class PrivacyLedger(FederatedCallback):
                                   f"{g.granularity}-level DP over {n} {g.granularity}s needs delta well below 1/{n} "
                                   f"(a mechanism that publishes one {g.granularity} in full would meet delta >= 1/{n})",
                                   f"set delta <= {default_delta(n):g}")
+        self._check_stops(ctx.rounds)
         M = ctx.data.num_clients
         for g in self.guarantees:
             if not g.per_client:
@@ -129,6 +138,13 @@ class PrivacyLedger(FederatedCallback):
                     profile_of[list(p.clients)] = k
             self._profile_of[g.name] = profile_of
             self._busiest[g.name] = self._maxima(g, self.counts[g.name])
+
+    def _check_stops(self, rounds: int) -> None:
+        """Refuse, at set-up, a guarantee that a stop leaves no epsilon after the planned ``rounds``
+        (charged per round, not per client: only the guarantees towards model observers carry one)."""
+        for i, g in enumerate(self.guarantees):
+            if g.stop_probability > 0 and not math.isfinite(self._eps(i, 0, rounds)):
+                raise stop_refusal(g, self.delta, rounds)
 
     def _maxima(self, g: Guarantee, counts: np.ndarray) -> list[int]:
         """The most compositions of any client of each profile of ``g`` (O(clients): at set-up)."""
@@ -150,14 +166,23 @@ class PrivacyLedger(FederatedCallback):
 
     # ------------------------------------------------------------------ epsilon
     def _eps(self, index: int, profile: int, compositions: int) -> float:
+        """Epsilon of one profile after ``compositions``; a guarantee charged for a stop (per round:
+        ``compositions`` are its rounds) at the least fixed point of the module docstring, ``inf``
+        where there is none."""
         key = (index, profile, compositions)
         if key not in self._cache:
             g = self.guarantees[index]
-            res = epsilon(g.profiles[profile].release, compositions, self.mechanism_delta, self.accountant,
-                          self.pld_discretization)
-            if res.note:
-                self.method_notes[g.name] = res.note
-            self._cache[key] = res.epsilon
+            release = g.profiles[profile].release
+
+            def at(delta: float) -> float:
+                res = epsilon(release, compositions, delta, self.accountant, self.pld_discretization)
+                if res.note:
+                    self.method_notes[g.name] = res.note
+                return res.epsilon
+
+            stop = 0.0 if g.per_client else g.stop_after(compositions)
+            eps = epsilon_with_stop(at, self.mechanism_delta, stop)
+            self._cache[key] = math.inf if eps is None else eps
         return self._cache[key]
 
     def _profile_compositions(self, g: Guarantee, k: int, rounds: int, busiest: list[int] | None) -> int:
@@ -256,7 +281,12 @@ class PrivacyLedger(FederatedCallback):
                     "; worst client's participations"
             used, why = self.accountant_of(g.name)
             accountant = f"{used} accountant" + (f" ({self.accountant} was asked for; {why})" if why else "")
-            lines.append(f"{g.description}; {sampling}, {relation} neighbours, {noise}{counted}; "
+            stop = ""
+            if g.stop_probability > 0:
+                rounds = self._planner.rounds if self._planner is not None else self.rounds
+                stop = (f"; a stop at a short round (probability <= {g.stop_after(rounds):.3g} over {rounds} rounds, "
+                        f"{', '.join(g.stop_sources)}) charged to delta as (1 + e^eps) x it")
+            lines.append(f"{g.description}; {sampling}, {relation} neighbours, {noise}{counted}{stop}; "
                          f"{accountant}, delta={self.delta:g}")
         return lines
 
@@ -341,8 +371,9 @@ class PrivacyLedger(FederatedCallback):
             s = p.release.stream
             return p if not replaced or s is None or s.replaces is None else \
                 dataclasses.replace(p, release=dataclasses.replace(p.release, stream=s.replaces))
+        stops = [(g.name, g.stop_probability) for g in self.guarantees if g.stop_probability > 0]
         return [(g.name, tuple(was(p) for p in g.profiles)) for g in self.guarantees] + \
-            [("delta", self.delta), ("secure", self.secure)]
+            [("delta", self.delta), ("secure", self.secure)] + ([("stops", tuple(stops))] if stops else [])
 
     def state_dict(self) -> dict[str, Any]:
         # Secure mode: no per-client counts in checkpoints (two checkpoints would give a round's cohort).

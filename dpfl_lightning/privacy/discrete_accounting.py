@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import dp_accounting
 import numpy as np
@@ -301,7 +302,17 @@ def release_rdp(events, sampling: str, rate: float, orders=ORDERS) -> np.ndarray
     """The RDP at integer ``orders`` of one release of ``events`` (applied to the same sample, so
     their curves add) behind the run's sampling: Poisson at ``rate`` amplifies through Zhu & Wang's
     Theorem 9 (:func:`poisson_subsampled_rdp`, add/remove); other samplings are not amplified
-    (an upper bound)."""
+    (an upper bound). Cached (the ledger asks for the same release every round, and at several deltas)."""
+    key = (tuple(events), sampling, float(rate), tuple(orders))
+    try:
+        hash(key)
+    except TypeError:  # an event holding a list (ComposedDpEvent): not cached
+        return _release_rdp.__wrapped__(*key)
+    return _release_rdp(*key).copy()
+
+
+@lru_cache(maxsize=64)
+def _release_rdp(events: tuple, sampling: str, rate: float, orders: tuple) -> np.ndarray:
     total = np.sum([_event_rdp(e, orders) for e in events], axis=0)
     if sampling == "poisson" and rate < 1:
         return poisson_subsampled_rdp(total, rate, orders)

@@ -22,13 +22,37 @@ Gaussians on the same sample compose as one Gaussian; a pure-DP local randomizer
 response (replace-one only) and is not amplified by sampling. With a central mechanism in the run
 no guarantee towards the server is reported: the server sees the un-noised aggregate (trusted
 aggregator). The first guarantee is the one a run logs as ``epsilon``.
+
+**A stop that depends on the hidden sample.** A mechanism may declare a ``stop_probability``
+(:class:`~dpfl_lightning.privacy.mechanisms.Mechanism`): per round, a bound ``p`` on the chance that
+the round stops the run, observably, where that chance depends on whether a client is in the
+sample (:class:`~dpfl_lightning.plugins.DiscreteDistributedNoise` under Poisson sampling: a round
+with fewer survivors than its shares are sized for). The standard "bad event" argument charges it
+to delta. Let ``B`` be the stop, ``s = min(1, rounds * p)`` (bounding ``P_D[B]`` and ``P_D'[B]``), ``M'``
+the real run and ``I`` the ideal mechanism that never stops (every round with the noise the ledger
+accounts; ``(eps, delta_I)``-DP). Coupled on the same coins, ``M'`` and ``I`` agree off ``B``, so for
+every output set ``S`` and neighbours ``D, D'``::
+
+    P[M'(D) in S] <= P[I(D) in S] + P_D[B] <= e^eps P[I(D') in S] + delta_I + P_D[B]
+                  <= e^eps P[M'(D') in S] + delta_I + P_D[B] + e^eps P_D'[B]
+
+and ``M'`` is ``(eps, delta_I + (1 + e^eps) s)``-DP. The guarantees towards model observers
+(``client_central``, ``client_distributed_models``, amplified by the hidden sampling) therefore report
+the least ``eps`` with ``eps >= eps_I(delta - (1 + e^eps) s)`` (:func:`epsilon_with_stop`; ``eps_I``
+falls as its delta grows, so iterating from ``s = 0`` climbs to it), and a run where no such ``eps``
+exists is refused at set-up (:func:`stop_refusal`). The guarantees towards the server are not
+charged: it runs secure aggregation with the cohort, so who took part and who dropped are known to
+it (it unmasks the dropped clients' shares), the stop is a function of those, and a per-participation
+guarantee without amplification already treats them as public.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
+from dpfl_lightning.errors import ConfigError
 from dpfl_lightning.privacy.accountants import GaussianRelease, Release
 from dpfl_lightning.privacy.mechanisms import Mechanism, RecordProfile
 
@@ -53,10 +77,18 @@ class Guarantee:
     granularity: str
     per_client: bool
     profiles: tuple[Profile, ...]
+    #: per round: a bound on the chance of a stop that depends on the hidden sample (module docstring;
+    #: the sum over the mechanisms that declare one: a union bound), and those mechanisms
+    stop_probability: float = 0.0
+    stop_sources: tuple[str, ...] = ()
 
     @property
     def release(self) -> Release:
         return self.profiles[0].release
+
+    def stop_after(self, rounds: int) -> float:
+        """``s``: a bound on the chance that the first ``rounds`` rounds stop the run (union bound)."""
+        return min(1.0, rounds * self.stop_probability)
 
 
 @dataclass(frozen=True)
@@ -135,10 +167,69 @@ def guarantees(mechanisms: list[Mechanism], sampling: Sampling, relation: str | 
     else:
         name, what = "client_distributed_models", "client-level DP, distributed noise"
     streams = "".join(f"; {m.description}" for m in client if m.stream is not None)
+    stoppers = [m for m in client if m.stop_probability > 0]
     out.append(Guarantee(name, f"{what} ({_names(client)}), towards anyone who sees the models but not who took part"
                          + (" (trusted aggregator)" if central else "") + streams, "models", "client", False,
-                         (Profile(release),)))
+                         (Profile(release),), min(1.0, sum(m.stop_probability for m in stoppers)),
+                         tuple(sorted({m.source for m in stoppers}))))
     return out
+
+
+# ------------------------------------------------------------------ a stop charged to delta
+#: the share of delta that a default setting lets the stop's charge ``(1 + e^eps) s`` take
+#: (DiscreteDistributedNoise's default ``min_survivors`` under Poisson sampling)
+STOP_SHARE = 0.1
+
+
+def stop_penalty(epsilon: float, stop: float) -> float:
+    """``(1 + e^eps) s``: what a stop of probability at most ``s`` adds to delta (module docstring)."""
+    if stop <= 0:
+        return 0.0
+    return math.inf if epsilon > 700 else (1.0 + math.exp(epsilon)) * stop
+
+
+def epsilon_with_stop(eps_at: Callable[[float], float], delta: float, stop: float, rtol: float = 1e-9,
+                      max_iter: int = 200) -> float | None:
+    """The least ``eps`` (to ``rtol``, never below it) with ``eps >= eps_at(delta - (1 + e^eps) stop)``,
+    ``eps_at(d)`` the ideal mechanism's epsilon at delta ``d`` (non-increasing in ``d``); ``None`` when
+    none exists (the charge reaches delta, or the iteration diverges). ``stop = 0``: ``eps_at(delta)``.
+
+    Fixed-point iteration from ``s = 0``: ``e_0 = eps_at(delta)``, ``e_{k+1} = eps_at(delta -
+    (1 + e^{e_k}) stop)``, climbing to the least fixed point; once a step is below ``rtol``, the
+    candidate one step further up is returned as soon as it satisfies the inequality (a valid
+    epsilon, within two steps of the least one)."""
+    e = eps_at(delta)
+    if stop <= 0:
+        return e
+    for _ in range(max_iter):
+        room = delta - stop_penalty(e, stop)
+        if not room > 0 or not math.isfinite(e):
+            return None
+        nxt = eps_at(room)
+        if nxt <= e:  # e already satisfies the inequality
+            return e
+        step = nxt - e
+        if step <= rtol * max(1.0, nxt):
+            up = nxt + 2 * step + rtol * max(1.0, nxt)
+            room = delta - stop_penalty(up, stop)
+            if room > 0 and eps_at(room) <= up:
+                return up
+        e = nxt
+    return None
+
+
+def stop_refusal(guarantee: Guarantee, delta: float, rounds: int) -> ConfigError:
+    """The set-up's refusal of a run whose stop leaves the guarantee ``guarantee`` no delta."""
+    s = guarantee.stop_after(rounds)
+    names = guarantee.stop_sources or ("the mechanism",)
+    setting = " / ".join(f"{n}.min_survivors, {n}.dropout" for n in names) + ", trainer.sampling"
+    return ConfigError(setting, {"stop_probability": float(f"{s:.3g}"), "delta": delta},
+                       f"under hidden-size sampling (Poisson, amplified cyclic) a round with fewer survivors than the shares are sized for "
+                       f"(or than the SecAgg threshold) stops the run, observably, with probability up to {s:.3g} "
+                       f"over {rounds} rounds; the guarantee towards model observers ({guarantee.name}) must charge "
+                       f"(1 + e^eps) x that to delta={delta:g}, which leaves no epsilon",
+                       "lower min_survivors, set fewer dropouts, or use sampling='uniform' (a fixed-size cohort: "
+                       "the stop then reveals nothing and is not charged); or raise delta")
 
 
 def default_delta(n: int) -> float:

@@ -147,11 +147,19 @@ class Mechanism:
     noise_multiplier: float | None = field(default=None, compare=False)
     #: a correlated-noise mechanism: accounted over its stream of rounds, not round by round
     stream: Stream | None = None
+    #: per round, a bound on the probability that the round stops the run observably in a way whose
+    #: chance depends on whether a client is in the hidden sample (DiscreteDistributedNoise's short
+    #: rounds under Poisson sampling): bounded for the run's population and for a neighbour one client
+    #: smaller, from the settings alone. The guarantees towards model observers charge it to delta by
+    #: the bad-event argument (:func:`~dpfl_lightning.privacy.guarantees.epsilon_with_stop`).
+    stop_probability: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.granularity in GRANULARITIES, "granularity", self.granularity, "unknown", f"use {GRANULARITIES}")
         require(self.placement in PLACEMENTS, "placement", self.placement, "unknown", f"use {PLACEMENTS}")
         require(self.sensitivity > 0, "sensitivity", self.sensitivity, "must be > 0", "bound the contribution first")
+        require(0 <= self.stop_probability <= 1, f"{self.source} stop probability", self.stop_probability,
+                "must be a probability", "declare a bound in [0, 1] per round")
 
     def event(self, relation: str) -> dp_accounting.DpEvent:
         """The unsampled event under ``relation`` (``add_remove`` or ``replace_one``)."""

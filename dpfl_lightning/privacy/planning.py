@@ -19,7 +19,8 @@ import numpy as np
 from scipy import stats
 
 from dpfl_lightning.privacy.calibrate import calibrate_guarantee
-from dpfl_lightning.privacy.guarantees import Guarantee, Profile, Sampling, default_delta_for
+from dpfl_lightning.privacy.guarantees import (Guarantee, Profile, Sampling, default_delta_for, stop_penalty,
+                                               stop_refusal)
 
 #: the share of delta that the binomial participation bound of secure mode takes
 TAIL_SHARE = 0.1
@@ -115,8 +116,14 @@ class PrivacyPlanner:
 
     def calibrate(self, guarantee_at: Callable[[float], Guarantee], target_epsilon: float, delta: float,
                   accountant: str) -> float:
-        """The smallest multiplier whose guarantee stays within the target over the whole run."""
+        """The smallest multiplier whose guarantee stays within the target over the whole run. A
+        guarantee charged for a stop (:func:`~dpfl_lightning.privacy.guarantees.epsilon_with_stop`)
+        is calibrated at ``delta - tail - (1 + e^target) s``: the ledger's least fixed point is then
+        at most the target (the iteration from ``s = 0`` stays below it)."""
         self.calibrations.append((delta, accountant))
         base = guarantee_at(1.0)
+        room = delta - self.tail(delta) - stop_penalty(target_epsilon, base.stop_after(self.rounds))
+        if not room > 0:
+            raise stop_refusal(base, delta, self.rounds)
         return calibrate_guarantee(guarantee_at, lambda p: self.compositions(base, p, delta), target_epsilon,
-                                   delta - self.tail(delta), accountant)
+                                   room, accountant)

@@ -297,10 +297,14 @@ def test_skipping_short_rounds_is_refused_under_poisson_sampling(tmp_path):
         _fit(tmp_path, noise, rounds=1, sampling="poisson", sampling_rate=0.5)
 
 
-def test_under_poisson_sampling_short_rounds_stop_the_run_by_default(tmp_path):
+def test_under_poisson_sampling_a_likely_stop_is_refused_and_its_bound_is_the_binomial_mixture(tmp_path):
     noise = DiscreteDistributedNoise(noise_multiplier=0.5, bits=20, dropout=0.5, min_survivors=5)
-    with pytest.raises(RuntimeError, match="fewer surviving clients"):  # 12 clients at rate 0.5, half drop
-        _fit(tmp_path, noise, rounds=6, sampling="poisson", sampling_rate=0.5)
-    # the stop's probability from the settings: rounds x P(Binomial(12, 0.25) < 5), written out here
-    tail = sum(math.comb(12, k) * 0.25**k * 0.75 ** (12 - k) for k in range(5))
-    assert noise.policy == "raise" and math.isclose(noise.shortfall_bound, min(1.0, 6 * tail), rel_tol=1e-9)
+    with pytest.raises(ConfigError, match="min_survivors.*leaves no epsilon.*sampling='uniform'"):
+        _fit(tmp_path, noise, rounds=1, sampling="poisson", sampling_rate=0.5)  # refused before any round
+    assert noise.policy == "raise"  # the default under Poisson sampling
+
+    def short(n):  # cohort Binomial(n, 0.5), half of it drops; short below max(5, SecAgg's majority, 2)
+        return sum(math.comb(n, c) * 0.5**n * sum(math.comb(c, k) * 0.5**c for k in range(max(5, c // 2 + 1, 2)))
+                   for c in range(n + 1))
+
+    assert math.isclose(noise.shortfall_bound, max(short(12), short(11)), rel_tol=1e-9)  # 12 clients, or 11

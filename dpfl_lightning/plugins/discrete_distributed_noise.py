@@ -33,23 +33,53 @@ Gaussians, or Agarwal et al.'s Skellam bound, as a :class:`~dpfl_lightning.priva
 that the ledger composes (per participation towards the server; per round, amplified under Poisson
 sampling by Zhu & Wang's bound, towards model observers).
 
-Skipping and hidden sampling: whether a round is short depends only on the cohort and the dropout
-coins, never on data. Under a fixed-size sampler (``uniform``, ``cyclic``, ``full``) the survivors'
-count is Binomial(cohort size, ``1 - dropout``) whoever is in the cohort, the same law for
-neighbouring datasets (add/remove or replace-one) and independent of whether the target client was
-sampled: coupled on these data-independent coins, a skip releases nothing about anyone, and a
-round that runs has at least ``m`` shares whatever survivor set it runs with, so its curve holds
-for the mixture (joint convexity). Under Poisson sampling (and
-``amplified_cyclic``) the cohort's *size* depends on whether the target client is in the
-population (add/remove), and the guarantee towards model observers is amplified by keeping the
-sampling hidden: a skipped round -- visible as a round where the model did not move -- reveals
-"the cohort was small", and at the threshold (``m - 1`` survivors without the client, ``m`` with
-it) the privacy loss of that bit is unbounded. The ledger does not account it, so ``"skip"`` is
-refused under these samplers and ``on_too_few`` defaults to ``"raise"`` there: the run stops
-before anything of the short round is applied. The stop is observable as well; it happens with
-probability at most :attr:`shortfall_bound` (rounds times the Binomial tail below
-``min_survivors``, from the settings alone), which is not in the ledger's ``delta``: keep it far
-below ``delta`` (a lower ``min_survivors``, fewer dropouts) or use a fixed-size sampler.
+Short rounds and hidden sampling: whether a round is short depends only on the cohort and the
+dropout coins (keyed by seed, round and client), never on data. Under a fixed-size sampler
+(``uniform``, ``cyclic``, ``full``) the survivors' count is Binomial(cohort size, ``1 - dropout``)
+whoever is in the cohort, the same law for neighbouring datasets (add/remove or replace-one) and
+independent of whether the target client was sampled: coupled on these data-independent coins, a
+skip (or a stop) releases nothing about anyone, and a round that runs has at least ``m`` shares
+whatever survivor set it runs with, so its curve holds for the mixture (joint convexity). These
+samplers declare no stop probability and the ledger charges nothing.
+
+Under Poisson sampling (and ``amplified_cyclic``) the cohort's *size* depends on whether the target
+client is in the population (add/remove), and the guarantee towards model observers is amplified by
+keeping the sampling hidden: a skipped round -- visible as a round where the model did not move --
+reveals "the cohort was small", and at the threshold (``m - 1`` survivors without the client, ``m``
+with it) the privacy loss of that bit is unbounded. So ``"skip"`` is refused under these samplers and
+``on_too_few`` defaults to ``"raise"``: the run stops before anything of the short round is applied.
+The stop is observable too, and it is accounted by the standard "bad event" argument
+(:mod:`dpfl_lightning.privacy.guarantees`): with ``B`` the stop and ``I`` the ideal mechanism that
+never stops (every round with at least ``m`` shares, as the ledger accounts), ``M'`` (this run) and
+``I`` agree off ``B`` on the same coins, so ``P[M'(D) in S] <= P[I(D) in S] + P_D[B] <= e^eps P[I(D')
+in S] + delta_I + P_D[B] <= e^eps P[M'(D') in S] + delta_I + P_D[B] + e^eps P_D'[B]``: ``M'`` is
+``(eps, delta_I + (1 + e^eps) s)``-DP, ``s`` = :attr:`shortfall_bound` (rounds times :attr:`stop_per_round`,
+the chance that a round has fewer survivors than ``min_survivors`` or than the SecAgg threshold --
+the default strict majority of the cohort, or the holders of a SecAgg+ secret -- or a cohort under 2,
+summed over the Binomial cohort sizes, for the population and for a neighbour one client smaller:
+from the settings alone). The plugin declares ``stop_per_round`` as its mechanism's
+``stop_probability``; the guarantees towards model observers (``client_distributed_models``, or
+``client_central`` beside a central noise) report the least ``eps`` with ``eps >= eps_I(delta -
+(1 + e^eps) s)``, and a run where none exists is refused at set-up. The guarantee towards the server
+(``client_distributed``, per participation without amplification) is not charged: the server runs
+SecAgg with the cohort, so it knows who took part and who dropped, the stop is a function of those,
+and that guarantee already treats them as public (:mod:`dpfl_lightning.privacy.guarantees`' table).
+
+The default ``min_survivors`` under these samplers is the largest ``m`` whose charge
+``(1 + e^eps) s`` is at most :data:`~dpfl_lightning.privacy.guarantees.STOP_SHARE` (10%) of delta, with
+``eps`` this mechanism's epsilon towards model observers at ``(1 - STOP_SHARE) delta`` after the
+run's rounds -- with ``target_epsilon``, at the multiplier the calibration of its main guarantee
+(towards the server) gives; ``target_epsilon`` itself would be a loose upper reference (e.g. 10
+where the models guarantee is ~4, halving ``m``). ``m`` barely moves ``eps`` (the total noise
+accounted is ``z C`` whatever ``m``), so the choice is iterated until ``m`` stays (once or twice).
+``delta`` is the plugin's ``delta``, else the run's default; a ledger given a smaller delta, or other
+mechanisms in the models guarantee, see a larger share (the ledger charges what is there either
+way). Where the SecAgg threshold's stops alone (a strict majority of ~40 with 10% dropouts: ~7e-9 a
+round) exceed the share, ``m`` cannot help: the default is then the largest ``m`` that adds at most
+10% to them, with a warning. Fewer shares mean more noise in the sum when more clients survive
+(each share has variance ``sigma^2 / m``): the price of a stop that is charged to delta. Under
+fixed-size samplers the default is the ``1e-6`` quantile of the survivors' count (``"skip"``: nothing
+is charged).
 
 Pairings: the float ``update`` leaves every client as zeros, so a plugin that reads the released
 update (SCAFFOLD's ``c_i`` and ``dc``, ScaffNew's ``D_i``, FedEXP's norms) would see zeros, and
@@ -67,17 +97,24 @@ that cannot hold the sum is refused.
 Randomness: the noise from the client's ``CLIENT_NOISE`` stream (secure mode: the CSPRNG, with the
 exact integer sampler -- no floating-point attack on the noise exists: the noise is an integer drawn
 from its exact distribution), the rounding's coins from a stream of their own, dropouts keyed by
-(seed, round, client), the rotation by (seed, round). In simulation mode the masks' keys come from
-the keyed source, so every rank rebuilds the protocol and the masks protect nothing towards who
-knows the seed (they reproduce the arithmetic, failures and cost); in secure mode they are X25519
-keys from the OS, and the protocol runs on one rank (more are refused).
+(seed, round, client), the rotation by (seed, round). Each rank holds the masks' secrets of the
+clients it trains only, and the ranks run the protocol's exchanges in ``before_round`` (public
+keys to every rank, each Shamir share to its holder's rank) and ``on_aggregate`` (the surviving
+holders' reveals to every rank, each of which unmasks the same sum bit for bit), through the
+server context's collectives (:meth:`~dpfl_lightning.comm.secagg.SecAggRound.exchange`). In
+simulation mode the secrets are keyed by (seed, round, client) -- the run is the same on any number
+of ranks, and the masks protect nothing towards who knows the seed (they reproduce the arithmetic,
+failures and cost); in secure mode they are X25519 keys and seeds from the OS, drawn on the rank
+that trains the client, in no log or checkpoint.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 
+import numpy as np
 import torch
 from scipy import stats
 
@@ -90,6 +127,9 @@ from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
 from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
 from dpfl_lightning.privacy import discrete_accounting as da
+from dpfl_lightning.privacy.accountants import epsilon
+from dpfl_lightning.privacy.calibrate import calibrate_guarantee
+from dpfl_lightning.privacy.guarantees import STOP_SHARE, guarantees, stop_penalty
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.privacy.quantization import padded_dim
 from dpfl_lightning.plugins.sensitivity import required_update_bound
@@ -98,7 +138,8 @@ SEGMENT = "integer_sum"
 ROTATION = rng.register_purpose("DiscreteDistributedNoise.rotation", private=False)  # public per-round key
 ROUNDING = rng.register_purpose("DiscreteDistributedNoise.rounding")
 COHORT_TAIL = 1e-12  # the cohort sizes the modulus is sized for: all but this tail
-SURVIVOR_TAIL = 1e-6  # default min_survivors: rounds skipped with at most this probability
+SURVIVOR_TAIL = 1e-6  # default min_survivors under fixed-size samplers: rounds skipped with at most this probability
+SIZE_TAIL = 1e-18  # cohort sizes beyond these quantiles are counted as stopping (stop_chance)
 HIDDEN_SIZE_SAMPLERS = ("poisson", "amplified_cyclic")  # the cohort's size is random and amplification hides it
 FIX = "drop it, or use GaussianNoise(placement='distributed') (float shares) instead of DiscreteDistributedNoise"
 FIXES = {"GaussianNoise": "use one noise on the update: DiscreteDistributedNoise alone (GaussianNoise on other "
@@ -145,6 +186,45 @@ def cohort_law(sampler) -> tuple[int, float]:
     return sampler.num_clients, 1.0
 
 
+def _survivors_needed(k: np.ndarray, min_survivors: int, secagg: bool, threshold: int | None,
+                      neighbours: int | None) -> np.ndarray:
+    """The fewest survivors a round with a cohort of ``k`` clients runs with: ``min_survivors``, and
+    under SecAgg 2 and the threshold (:func:`dpfl_lightning.comm.secagg.default_threshold`, a strict
+    majority of a secret's holders: the cohort, or a SecAgg+ client and its ``neighbours``)."""
+    need = np.full(k.shape, min_survivors, dtype=np.int64)
+    if not secagg:
+        return need
+    complete = np.ones(k.shape, dtype=bool) if neighbours is None else neighbours >= k - 1
+    holders = np.where(complete, k, (neighbours or 0) + 1)
+    t = np.full(k.shape, threshold) if threshold is not None else holders // 2 + 1
+    return np.maximum(need, np.maximum(t, 2))
+
+
+def stop_chance(min_survivors: int, trials: int, p: float, dropout: float, secagg: bool = True,
+                threshold: int | None = None, neighbours: int | None = None) -> float:
+    """A bound on the chance that a round is short (skipped or stopped) when its cohort is
+    Binomial(``trials``, ``p``) clients, each surviving with probability ``1 - dropout``: fewer survivors
+    than :func:`_survivors_needed`, summed over the cohort sizes; under SecAgg+ (a cohort larger than
+    ``neighbours + 1``) plus a union bound over the cohort on a secret with fewer than ``t`` surviving
+    holders (a survivor's own share counts, a dropped client's does not). Settings alone."""
+    keep = 1.0 - dropout
+    if p >= 1:
+        k, pk, outside = np.array([trials]), np.array([1.0]), 0.0
+    else:
+        lo = int(stats.binom.ppf(SIZE_TAIL, trials, p))
+        hi = int(stats.binom.isf(SIZE_TAIL, trials, p))
+        k = np.arange(lo, hi + 1)
+        pk = stats.binom.pmf(k, trials, p)
+        outside = float(stats.binom.cdf(lo - 1, trials, p) + stats.binom.sf(hi, trials, p))
+    need = _survivors_needed(k, min_survivors, secagg, threshold, neighbours)
+    short = stats.binom.cdf(need - 1, k, keep)
+    if secagg and neighbours is not None and dropout > 0:
+        t = threshold if threshold is not None else (neighbours + 1) // 2 + 1
+        per_client = keep * stats.binom.cdf(t - 2, neighbours, keep) + dropout * stats.binom.cdf(t - 1, neighbours, keep)
+        short = np.where(neighbours < k - 1, np.minimum(1.0, short + k * per_client), short)
+    return float(min(1.0, np.sum(pk * short) + outside))
+
+
 class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
     """Integer noise shares summed modulo ``2^bits`` under secure aggregation (module docstring).
 
@@ -157,7 +237,9 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         secagg: mask the rows (SecAgg; ``neighbours=k``: SecAgg+'s k-regular graph; ``threshold``: t).
         dropout: each client's row is lost with this probability (keyed by seed, round, client).
         min_survivors: the fewest survivors a round tolerates (shares are sized for it); default
-            the ``1e-6`` quantile of the survivors' count, from the sampler and ``dropout``.
+            under Poisson (and amplified cyclic) sampling the largest whose stop the ledger charges
+            at most 10% of delta (module docstring), else the ``1e-6`` quantile of the survivors'
+            count, from the sampler and ``dropout``.
         on_too_few: ``"skip"`` a round with fewer survivors, or ``"raise"``; default ``"raise"``
             under Poisson (and amplified cyclic) sampling, where ``"skip"`` is refused (module
             docstring: the skip would reveal the hidden cohort's size), ``"skip"`` otherwise.
@@ -197,6 +279,9 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         self._bound = None
         self._round: IntegerSumRound | None = None
         self._skip = False
+        self.stop_per_round = 0.0  # the chance a round is short (set-up; declared as the stop probability when hidden)
+        self.shortfall_bound = 0.0
+        self._hidden = False
         self.stage_seconds: list[StageTimes] = []  # per round on this rank (timing: never logged in a DP run)
         self.skipped_rounds: list[int] = []
 
@@ -211,31 +296,85 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
             raise ConfigError("DiscreteDistributedNoise", moving, "the grid gamma and the modulus are fixed at set-up "
                               "for one norm bound, and this plugin moves it every round",
                               "use a fixed UpdateClipping(C) with DiscreteDistributedNoise")
-        if self.secagg and ctx.secure and ctx.world_size > 1:
-            raise ConfigError("DiscreteDistributedNoise.secagg", True, "in secure mode the masks' keys are drawn from "
-                              "the OS on the rank that trains each client, and the key exchange between ranks is "
-                              "not part of the plugin hooks", "run secure secure-aggregation runs on one rank, or "
-                              "set secagg=False (the guarantee assumes secure aggregation either way)")
         self._d = ctx.module.num_parameters if ctx.module is not None else ctx.num_parameters
         require(self._d is not None, "DiscreteDistributedNoise", "num_parameters", "the update's size is unknown",
                 "give the model (or its parameter count) when planning")
         self._padded = padded_dim(self._d)
         trials, p = cohort_law(ctx.sampler)
         self._check_too_few_policy(ctx.sampler.kind)
+        self._hidden = ctx.sampler.kind in HIDDEN_SIZE_SAMPLERS
+        self._law = (trials, p)
         self._n_max = max(1, int(stats.binom.ppf(1 - COHORT_TAIL, trials, p))) if p < 1 else trials
-        if self.min_survivors is None:
+        chosen = self.min_survivors is None
+        if chosen:
             keep = p * (1 - self.dropout)
             self.min_survivors = trials if keep >= 1 else max(1, int(stats.binom.ppf(SURVIVOR_TAIL, trials, keep)))
         require(self.min_survivors <= trials, "DiscreteDistributedNoise.min_survivors", self.min_survivors,
                 f"exceeds the largest cohort the sampler draws ({trials})", f"use min_survivors <= {trials}")
-        keep = p * (1 - self.dropout)  # a round's survivors: Binomial(trials, keep)
-        need = max(self.min_survivors, self.threshold or 1)
-        self.shortfall_bound = min(1.0, ctx.rounds * float(stats.binom.cdf(need - 1, trials, keep)))
         if self.target_epsilon is not None:
             if self.delta is None:
                 self.delta = ctx.privacy.default_delta("client")
             self.noise_multiplier = 1.0  # a placeholder: the run calibrates it (see `calibration`)
         self._configure()
+        if chosen and self._hidden:
+            self._choose_hidden_min_survivors(ctx)
+        self.stop_per_round = self._stop_chance(self.min_survivors)
+        self.shortfall_bound = min(1.0, ctx.rounds * self.stop_per_round)
+
+    def _stop_chance(self, m: int) -> float:
+        """:func:`stop_chance` with ``m`` shares; under a hidden-size sampler the larger of the
+        population's and of a neighbour one client smaller (both enter the bad-event argument)."""
+        trials, p = self._law
+        sizes = (trials, trials - 1) if self._hidden and trials > 1 else (trials,)
+        return max(stop_chance(m, n, p, self.dropout, self.secagg, self.threshold, self.neighbours) for n in sizes)
+
+    def _models_epsilon(self, ctx, delta: float) -> float:
+        """This mechanism's own epsilon towards model observers after the run's rounds, at the delta
+        left after the stop's share (and secure mode's participation tail). With ``target_epsilon``:
+        at the multiplier the run's calibration will give (this mechanism's main guarantee, towards
+        the server, at the target), which leaves the placeholder multiplier in force again."""
+        sampling = ctx.sampler.accounted()
+        if self.target_epsilon is not None:
+            def main(z: float):
+                self.use_noise_multiplier(z)
+                return guarantees(self.privacy_mechanisms(ctx=ctx), sampling)[0]
+
+            base = main(1.0)
+            z = calibrate_guarantee(main, lambda p: ctx.privacy.compositions(base, p, self.delta), self.target_epsilon,
+                                    self.delta - ctx.privacy.tail(self.delta))
+            self.use_noise_multiplier(z)
+        g = next(g for g in guarantees(self.privacy_mechanisms(ctx=ctx), sampling) if g.audience == "models")
+        eps = epsilon(g.release, ctx.rounds, delta * (1 - STOP_SHARE) - ctx.privacy.tail(delta)).epsilon
+        if self.target_epsilon is not None:
+            self.use_noise_multiplier(1.0)
+        return eps
+
+    def _choose_hidden_min_survivors(self, ctx) -> None:
+        """The default ``min_survivors`` under a hidden-size sampler (module docstring): the largest
+        ``m`` with ``(1 + e^eps) rounds stop(m) <= STOP_SHARE delta``, ``eps`` this mechanism's models
+        epsilon at ``m`` (iterated until ``m`` stays, at most 4 times); where the SecAgg threshold's
+        stops alone exceed that, the largest ``m`` that adds at most 10% to them (and a warning)."""
+        delta = self.delta if self.delta is not None else ctx.privacy.default_delta("client")
+        trials, floor = self._law[0], self._stop_chance(1)  # floor: the SecAgg threshold's stops alone
+        for _ in range(4):
+            eps = self._models_epsilon(ctx, delta)
+            allowed = STOP_SHARE * delta / max(ctx.rounds, 1) / stop_penalty(eps, 1.0)
+            allowed = max(allowed, floor * (1 + STOP_SHARE))  # m cannot go below the floor: add at most 10% to it
+            lo, hi = 1, trials  # the largest m with stop(m) <= allowed (stop grows with m)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self._stop_chance(mid) <= allowed else (lo, mid - 1)
+            if lo == self.min_survivors:
+                break
+            self.min_survivors = lo
+            self._configure()
+        if ctx.is_global_zero and stop_penalty(eps, ctx.rounds * floor) > STOP_SHARE * delta:
+            warnings.warn(f"DiscreteDistributedNoise: under {ctx.sampler.kind} sampling the SecAgg threshold alone "
+                          f"stops a round with probability {floor:.3g} (dropout={self.dropout:g}), so the stop's "
+                          f"charge to the models guarantee, (1 + e^eps) x {ctx.rounds * floor:.3g} at eps ~ {eps:.3g}, "
+                          f"is above {STOP_SHARE:.0%} of delta={delta:g} whatever min_survivors; fewer dropouts, more "
+                          "noise or fewer rounds lower it (the ledger refuses the run where it exceeds delta)",
+                          RuntimeWarning, stacklevel=2)
 
     def _check_too_few_policy(self, kind: str) -> None:
         """Default ``on_too_few`` by sampler; refuse ``"skip"`` where the sampling is hidden and random
@@ -313,7 +452,8 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
                 f"gamma={self.gamma:.3g})")
         return [Mechanism("DiscreteDistributedNoise", "client", "distributed", da.DiscreteNoiseDpEvent(add),
                           da.DiscreteNoiseDpEvent(rep), self.clip, (UPDATE, SEGMENT), what,
-                          noise_multiplier=self.noise_multiplier)]
+                          noise_multiplier=self.noise_multiplier,
+                          stop_probability=self.stop_per_round if self._hidden else 0.0)]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [MetricRelease("noise_std", "public", "DiscreteDistributedNoise", "the accounted noise std in the sum"),
@@ -335,7 +475,9 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         t0 = time.perf_counter()
         dim = self._d if plan.trainable is None else int(plan.trainable.sum())
         key = server.random.key(plan.round_idx, rng.SERVER_CLIENT, ROTATION)
-        self._round = r = IntegerSumRound(self.settings(), plan.round_idx, tuple(plan.cohort), dim, server.random, key)
+        mine = server.clients_on_rank(plan)  # the SecAgg secrets of these clients live on this rank only
+        self._round = r = IntegerSumRound(self.settings(), plan.round_idx, tuple(plan.cohort), dim, server.random, key,
+                                          local_clients=mine, allgather=server.allgather, alltoall=server.alltoall)
         need = max(self.min_survivors, r.secagg.threshold if r.secagg is not None else 1)
         self._skip = len(r.survivors) < need or (self.secagg and len(plan.cohort) < 2)
         if self._skip:
@@ -364,7 +506,7 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         if self._skip:
             agg.denominator = 0.0  # nothing of this round is applied
             return
-        total = self._round.decode_sum(agg[SEGMENT])
+        total = self._round.decode_sum(agg[SEGMENT])  # collective: the ranks all-gather their reveals
         target = agg.sums[UPDATE]
         trainable = server.plan.trainable
         if trainable is None or total.numel() == target.numel():

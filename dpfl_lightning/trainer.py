@@ -337,7 +337,7 @@ class FederatedTrainer:
         for r in range(start, self.rounds):
             if status.should_stop:  # a callback stopped the run after the previous round
                 break
-            plan, server = self.run.plan_round(r, self.module, self._states.of, self.status.stop)
+            plan, server = self.run.plan_round(r, self.module, self._states.of, self.status.stop, self.my_clients)
             self.call_hook("before_round", plan=plan, server=server)
             if status.should_stop:
                 break

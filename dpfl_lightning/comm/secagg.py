@@ -56,16 +56,25 @@ The public graph permutation and the simulated dropouts come from the key source
 (keyed by round, and by client for dropouts; never by rank).
 
 **Threat model of the simulation.** It computes what SecAgg's honest-but-curious variant computes.
-It does not simulate the transport: shares travel between ranks in the clear (the real protocol
-encrypts them with a second key agreement and authenticated encryption), and there are no
+It does not simulate the transport's confidentiality: shares travel between ranks in the clear, to
+the holder's rank only (the real protocol encrypts them to the holder with a second key agreement
+and authenticated encryption, relayed by the server), and there are no
 signatures or consistency round (SecAgg's active-server variant). Masking changes no sensitivity:
 the server sees exactly the survivors' sum modulo ``2^b``; a DP guarantee on that sum is the noise's.
 
-Ranks: a :class:`SecAggRound` holds the secrets of *its* clients only (``local_clients``) and every
-client's public key; :meth:`SecAggRound.public_keys`, :meth:`SecAggRound.shares_to_send` and
-:meth:`SecAggRound.reveal` return what the ranks exchange (all-gather them, then
-:meth:`~SecAggRound.add_public_keys`, :meth:`~SecAggRound.receive_shares`, and pass the reveals to
-:meth:`~SecAggRound.unmask`). With ``local_clients=None`` (one process) the exchanges happen inside.
+Ranks: a :class:`SecAggRound` holds the secrets of *its* clients only (``local_clients``: the
+clients the rank trains) and every client's public key. :meth:`SecAggRound.exchange` runs the set-up
+between ranks: the public keys are all-gathered, and each share message goes to the rank of its
+holder only (an all-to-all): a rank receives the shares its clients hold, as those clients would,
+so a rank learns a client's secret only when ``t`` of its holders train there (a coalition of ``t``
+clients, which the threshold is chosen against). :meth:`SecAggRound.gather_reveals` all-gathers
+the surviving holders' reveals (they go to the server, and every rank plays the server: each
+unmasks the same sum, bit for bit). Simulation keys are keyed by (seed, round, client), so a run is
+the same on any number of ranks; secure keys are drawn on the rank that trains the client and leave
+it only as public keys and Shamir shares. The primitives (:meth:`~SecAggRound.public_keys`,
+:meth:`~SecAggRound.add_public_keys`, :meth:`~SecAggRound.shares_to_send`,
+:meth:`~SecAggRound.receive_shares`, :meth:`~SecAggRound.reveal`) are public for other transports.
+With ``local_clients=None`` (one process holding every client) the exchanges happen inside.
 """
 
 from __future__ import annotations
@@ -74,7 +83,7 @@ import hashlib
 import os
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -336,7 +345,49 @@ class SecAggRound:
         if local_clients is None:
             self.receive_shares(self.shares_to_send())
 
+    @property
+    def local_clients(self) -> tuple[int, ...]:
+        """The clients whose secrets this object holds (this rank's clients of the cohort)."""
+        return tuple(self._secrets)
+
+    def client_secrets(self, client: int) -> ClientSecrets:
+        """``client``'s secrets; a :class:`KeyError` when another rank trains it."""
+        if client not in self._secrets:
+            raise KeyError(f"secagg: client {client}'s secrets are not on this rank (local_clients)")
+        return self._secrets[client]
+
     # -- what the ranks exchange
+    def exchange(self, allgather: Callable[[Any], list[Any]], alltoall: Callable[[list[Any]], list[Any]]) -> None:
+        """The set-up between ranks (collective: every rank calls it once per round): all-gather the
+        public keys, then send each share message to its holder's rank only and keep what arrives.
+
+        ``allgather(obj)`` returns every rank's ``obj`` by rank; ``alltoall(objs)`` sends ``objs[r]``
+        to rank ``r`` and returns what each rank sent this one, by rank. Every client of the cohort
+        must be local on exactly one rank."""
+        by_rank = allgather(self.public_keys())
+        rank_of: dict[int, int] = {}
+        for rank, keys in enumerate(by_rank):
+            self.add_public_keys(keys)
+            twice = set(keys) & set(rank_of)
+            if twice:
+                raise RuntimeError(f"secagg: clients {sorted(twice)[:5]} are local on two ranks; give each rank "
+                                   "the cohort's clients it trains (local_clients)")
+            rank_of.update(dict.fromkeys(keys, rank))
+        missing = set(self.cohort) - set(rank_of)
+        if missing:
+            raise RuntimeError(f"secagg: no rank holds the keys of clients {sorted(missing)[:5]}; give each rank "
+                               "the cohort's clients it trains (local_clients)")
+        outgoing: list[list[ShareMessage]] = [[] for _ in by_rank]
+        for m in self.shares_to_send():
+            outgoing[rank_of[m.holder]].append(m)
+        for messages in alltoall(outgoing):
+            self.receive_shares(messages)
+
+    def gather_reveals(self, survivors: Iterable[int], dropped: Iterable[int],
+                       allgather: Callable[[Any], list[Any]]) -> list[Reveal]:
+        """Every rank's :meth:`reveal`, for :meth:`unmask` (collective: every rank calls it)."""
+        return [r for part in allgather(self.reveal(survivors, dropped)) for r in part]
+
     def public_keys(self) -> dict[int, bytes]:
         """This rank's clients' public keys (to all-gather, then :meth:`add_public_keys` everywhere)."""
         return {c: s.public_key for c, s in self._secrets.items()}
@@ -366,19 +417,14 @@ class SecAggRound:
         if missing:
             raise RuntimeError(f"secagg: client {client} lacks the public keys of {missing[:5]}; "
                                "all-gather public_keys() and call add_public_keys() first")
-        self._local(client).agree({v: self._publics[v] for v in neighbours})
+        self.client_secrets(client).agree({v: self._publics[v] for v in neighbours})
 
     def mask(self, client: int, row: torch.Tensor) -> torch.Tensor:
         """``client``'s masked row (int64 in ``[0, 2^bits)``) for the int64 ``row`` of length ``d``."""
         if tuple(row.shape) != (self.d,):
             raise ValueError(f"secagg: client {client}'s row has shape {tuple(row.shape)}, expected ({self.d},)")
         self.agree(client)
-        return self._local(client).mask(row, self.graph.neighbours(client), self.bits)
-
-    def _local(self, client: int) -> ClientSecrets:
-        if client not in self._secrets:
-            raise KeyError(f"secagg: client {client}'s secrets are not on this rank (local_clients)")
-        return self._secrets[client]
+        return self.client_secrets(client).mask(row, self.graph.neighbours(client), self.bits)
 
     # -- unmasking
     def reveal(self, survivors: Iterable[int], dropped: Iterable[int]) -> list[Reveal]:

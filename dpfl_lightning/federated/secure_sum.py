@@ -10,16 +10,21 @@ row never reaches the sum. Server side (:meth:`IntegerSumRound.decode_sum`): the
 residues, the dropped clients' masks removed with the survivors' Shamir shares, to signed integers,
 times ``gamma``, the inverse rotation.
 
-Ranks: in simulation mode every rank rebuilds every client's SecAgg secrets from the keyed source
-(``local_clients=None``): each rank masks its own clients' rows and every rank unmasks the same sum
-alike, with no exchange between ranks. In secure mode the secrets come from the OS on the rank
-that trains the client, so the protocol runs on one rank only (the plugin refuses more).
+Ranks: each rank holds the SecAgg secrets of the cohort's clients it trains only
+(``local_clients``), in both modes: simulation keys are keyed by (seed, round, client), so the run is
+the same on any number of ranks; secure keys come from the OS on the rank that trains the client.
+Given the ranks' ``allgather`` and ``alltoall``, the round runs the protocol's exchanges between ranks
+(:meth:`~dpfl_lightning.comm.secagg.SecAggRound.exchange` at construction: public keys to all, each
+share to its holder's rank; :meth:`~dpfl_lightning.comm.secagg.SecAggRound.gather_reveals` when
+unmasking), so both are collective: every rank builds the round and decodes its sum. Every rank
+then unmasks the same sum with every rank's reveals, bit for bit.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -56,7 +61,8 @@ class StageTimes:
 
     noise: float = 0.0
     rounding: float = 0.0  # clip, rotation, scaling, conditional rounding, modular reduction
-    masks: float = 0.0  # SecAgg keys, shares and masking of the rank's clients
+    masks: float = 0.0  # SecAgg keys, shares, their exchange between ranks, masking of the rank's clients
+    exchange: float = 0.0  # of ``masks``: the set-up's all-gather and all-to-all (waits for the other ranks)
     unmask: float = 0.0  # the server: limbs back to residues, masks removed, decoding
     per_client: dict = field(default_factory=dict)
 
@@ -71,10 +77,15 @@ class IntegerSumRound:
         dim: the length of a client's update vector (its trainable entries).
         key_source: the run's :class:`dpfl_lightning.rng.RandomSource`.
         rotation_key: the public per-round key of the rotation.
+        local_clients: the cohort's clients this rank trains (default: all, one process).
+        allgather, alltoall: the ranks' collectives (see :meth:`~dpfl_lightning.comm.secagg.SecAggRound.exchange`);
+            needed with ``local_clients``.
     """
 
     def __init__(self, settings: IntegerSumSettings, round_idx: int, cohort: tuple[int, ...], dim: int,
-                 key_source, rotation_key: bytes) -> None:
+                 key_source, rotation_key: bytes, local_clients: Iterable[int] | None = None,
+                 allgather: Callable[[Any], list[Any]] | None = None,
+                 alltoall: Callable[[list[Any]], list[Any]] | None = None) -> None:
         self.settings, self.round_idx, self.cohort, self.dim = settings, round_idx, tuple(cohort), dim
         self.padded = q.padded_dim(dim)
         self.key = rotation_key
@@ -84,10 +95,18 @@ class IntegerSumRound:
         else:
             self.survivors, self.dropped = list(self.cohort), []
         self.secagg = None
+        self._allgather = allgather
+        if local_clients is not None and (allgather is None or alltoall is None):
+            raise ValueError("IntegerSumRound: local_clients needs the ranks' allgather and alltoall")
         if settings.secagg and len(self.cohort) >= 2:
             t0 = time.perf_counter()
             self.secagg = SecAggRound(self.cohort, settings.bits, self.padded, round_idx, key_source,
-                                      neighbours=settings.neighbours, threshold=settings.threshold)
+                                      neighbours=settings.neighbours, threshold=settings.threshold,
+                                      local_clients=local_clients)
+            if local_clients is not None:
+                t1 = time.perf_counter()
+                self.secagg.exchange(allgather, alltoall)
+                self.times.exchange += time.perf_counter() - t1
             self.times.masks += time.perf_counter() - t0
 
     @property
@@ -114,16 +133,25 @@ class IntegerSumRound:
             return None
         row = self.residues(x, noise_stream, rounding_stream)
         if self.secagg is not None:
+            if client not in self.secagg.local_clients:
+                raise RuntimeError(f"secure sum: client {client} trains on this rank but its SecAgg keys were made "
+                                   "on another; the round's plan changed after the keys were exchanged (a plugin "
+                                   "after DiscreteDistributedNoise edited the cohort or the local work in "
+                                   "before_round): order that plugin before it")
             t0 = time.perf_counter()
             row = self.secagg.mask(client, row)
             self.times.masks += time.perf_counter() - t0
         return modular_sum.to_limbs(row, self.settings.bits)
 
     def modular_total(self, limb_sums: torch.Tensor) -> torch.Tensor:
-        """The survivors' sum of un-masked rows modulo ``2^bits`` from the sum of their limbs."""
+        """The survivors' sum of un-masked rows modulo ``2^bits`` from the sum of their limbs (collective
+        with the ranks' ``allgather``: every rank calls it)."""
         total = modular_sum.from_limb_sums(limb_sums[: self.row_length], self.settings.bits)
         if self.secagg is not None:
-            total = self.secagg.unmask(total, self.survivors, self.dropped)
+            reveals = None  # one process: its own reveals
+            if self._allgather is not None:
+                reveals = self.secagg.gather_reveals(self.survivors, self.dropped, self._allgather)
+            total = self.secagg.unmask(total, self.survivors, self.dropped, reveals)
         return total
 
     def decode_sum(self, limb_sums: torch.Tensor) -> torch.Tensor:

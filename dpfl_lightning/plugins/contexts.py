@@ -130,7 +130,18 @@ class ServerContext:
     ``aggregate`` holds the cohort's sums by segment (after the all-reduce); ``update`` the mean
     update the server optimizer applies (``on_server_update``); ``global_params`` the flat global
     model. ``my_clients`` are the clients of this round that this rank trained, whose state
-    ``client_state(c)`` gives.
+    ``client_state(c)`` gives (set once ``before_round`` is over; there, ``clients_on_rank(plan)``
+    gives the clients of ``plan`` this rank will train, as the plan stands: a plugin after it that
+    edits the cohort or the local work may move them).
+
+    Exchanges between ranks, for the plugins whose server side needs what each rank's clients made
+    (keys of a secure aggregation): ``allgather(obj)`` returns every rank's ``obj`` by rank, and
+    ``alltoall(objs)`` sends ``objs[r]`` to rank ``r`` (one entry per rank) and returns what each
+    rank sent this one, by rank; on one process they return ``[obj]`` and ``objs``. Both are
+    **collective**: every rank must call them the same number of times, in the same order, in the
+    same hook -- in ``before_round`` and ``on_aggregate`` (every rank runs them), never behind a
+    rank- or client-dependent condition, or the ranks wait on each other for ever. What they carry
+    travels between the ranks' processes: it is not released, but it is no secret from the ranks.
     """
 
     round_idx: int
@@ -144,3 +155,6 @@ class ServerContext:
     client_state: Callable[[int], dict[str, Any]] | None = None
     stop: Callable[[str], None] | None = None
     next_plan: Callable[[], RoundPlan | None] | None = None  # the next round's default plan (None after the last)
+    clients_on_rank: Callable[[RoundPlan], list[int]] = field(default=lambda plan: list(plan.cohort))  # (see above)
+    allgather: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])  # collective (see above)
+    alltoall: Callable[[list[Any]], list[Any]] = field(default=lambda objs: list(objs))  # collective (see above)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -73,6 +73,8 @@ class RunSetup:
     max_client_samples: float = 1.0
     plugins: list = field(default_factory=list)  # every plugin of the run, in order (with the defaults added)
     threads: int = 1  # torch threads of this rank
+    allgather: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])  # the ranks' collectives (ServerContext)
+    alltoall: Callable[[list[Any]], list[Any]] = field(default=lambda objs: list(objs))
 
     @property
     def private(self) -> bool:
@@ -91,15 +93,18 @@ class RunSetup:
         return RoundPlan(round_idx, cohort, t["local_steps"], t["local_epochs"], t["batch_size"], "shuffle",
                          t["client_lr_decay"] ** round_idx)
 
-    def plan_round(self, round_idx: int, module: Any, client_state: Any, stop: Any) -> tuple[RoundPlan, ServerContext]:
-        """Round ``round_idx``'s plan (the trainable parameters marked) and its server context."""
+    def plan_round(self, round_idx: int, module: Any, client_state: Any, stop: Any,
+                   clients_on_rank: Any) -> tuple[RoundPlan, ServerContext]:
+        """Round ``round_idx``'s plan (the trainable parameters marked) and its server context
+        (``clients_on_rank(plan)``: the clients of a plan this rank trains)."""
         plan = self.default_plan(round_idx)
         plan.trainable = frozen.trainable_mask(module.parameter_list, module.parameter_slices, module.num_parameters,
                                                self.device)
         last = self.ctx.rounds
         server = ServerContext(round_idx, plan, self.random, self.ctx.data.num_clients, module.global_params,
                                client_state=client_state, stop=stop,
-                               next_plan=lambda: self.default_plan(round_idx + 1) if round_idx + 1 < last else None)
+                               next_plan=lambda: self.default_plan(round_idx + 1) if round_idx + 1 < last else None,
+                               clients_on_rank=clients_on_rank, allgather=self.allgather, alltoall=self.alltoall)
         return plan, server
 
     def denominator(self, plan: RoundPlan, sums: dict[str, torch.Tensor]) -> float:
@@ -366,4 +371,23 @@ def build_run(settings: TrainerSettings, comm: Communicator, module: Any, data: 
                 "batch_size": settings.batch_size, "client_lr_decay": settings.client_lr_decay}
     return RunSetup(device, ctx.sampler, ctx.random, ctx, layout, releases, ledger, template, settings.weighting, notes,
                     max_client_samples=float(max(data.client_num_samples(c) for c in range(data.num_clients))),
-                    plugins=plugins, threads=threads)
+                    plugins=plugins, threads=threads, allgather=comm.allgather_object, alltoall=_alltoall(comm))
+
+
+def _alltoall(comm: Communicator) -> Callable[[list[Any]], list[Any]]:
+    """``alltoall(objs)``: ``objs[r]`` goes to rank ``r`` only (one gather to each rank in turn);
+    returns what each rank sent this one, by rank (collective)."""
+
+    def alltoall(objs: list[Any]) -> list[Any]:
+        if len(objs) != comm.size:
+            raise ValueError(f"alltoall: {len(objs)} objects for {comm.size} ranks (one per rank)")
+        if comm.size == 1:
+            return list(objs)
+        received = None
+        for root in range(comm.size):
+            got = comm.gather_object(objs[root], root=root)
+            if root == comm.rank:
+                received = got
+        return received
+
+    return alltoall

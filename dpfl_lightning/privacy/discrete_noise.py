@@ -732,12 +732,16 @@ def poisson(source: object, lam: float | Fraction, n: int, exact_reference: bool
     words a draw. ``exact_reference=True`` decides every acceptance in exact rational arithmetic
     (slow): the float filter only decides *when* that runs, so both give the same draws from the same
     stream."""
-    src = _as_source(source)
     lamf = as_fraction(lam, "poisson.lam")
     require(lamf <= MAX_POISSON, "poisson.lam", float(lamf), f"is above {MAX_POISSON:.3g}, where the exact sampler's "
             "table takes seconds and ~10 MB to build", "use a coarser grid (a larger gamma): noise of std "
             "2^12 grid steps already makes rounding's share of the variance negligible")
-    table = poisson_table(lamf)
+    return sample_poisson(poisson_table(lamf), source, n, exact_reference)
+
+
+def sample_poisson(table: PoissonTable, source: object, n: int, exact_reference: bool = False) -> np.ndarray:
+    """``n`` draws of Poisson(``table.lam``) from ``table`` (:func:`poisson`; any ``half_width``)."""
+    src = _as_source(source)
     parts, have = [np.zeros(0, dtype=np.int64)], 0
     while have < n:
         need = min(n - have, POISSON_CHUNK)  # ~1.2% of the candidates are rejected

@@ -239,3 +239,24 @@ def test_dpfl_privacy_epsilon_equals_the_ledger_of_the_run(tmp_path, capsys):
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if r.get(f"epsilon_{MODELS}")]
     assert float(rows[-1][f"epsilon_{MODELS}"]) == pytest.approx(planned, abs=1e-4)
+
+
+def test_a_sweep_of_a_run_whose_main_guarantee_charges_a_stop_is_refused(monkeypatch):
+    """Private selection composes the runs' RDP curves, which carry no stop charge: dpfl sweep refuses such
+    a run rather than understating it (the charged guarantee is never main for DiscreteDistributedNoise
+    today, so the ledger is planted)."""
+    from types import SimpleNamespace
+
+    from dpfl_lightning.cli import privacy_command, sweep_command
+
+    for stop, refused in ((2e-9, True), (0.0, False)):
+        g = _models_guarantee(2.0, stop)
+        fake = SimpleNamespace(guarantees=[g], delta=1e-5, accountant="rdp",
+                               planned_compositions=lambda rounds, g=g: {g.name: [rounds]})
+        monkeypatch.setattr(privacy_command, "plan_run", lambda *a, fake=fake, **k: fake)
+        args = ["--config", os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")]
+        if refused:
+            with pytest.raises(ConfigError, match="stop that depends on the hidden sample"):
+                sweep_command.plan_fit(args, "lr=0.1")
+        else:
+            assert sweep_command.plan_fit(args, "lr=0.1").trials

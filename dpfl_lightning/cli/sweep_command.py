@@ -40,6 +40,11 @@ def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = Non
         return None
     rounds = init.trainer.rounds if rounds is None else int(rounds)
     g = ledger.guarantees[0]
+    if g.stop_probability > 0:  # selection composes RDP curves; the stop's charge is on delta (guarantees.py)
+        raise ConfigError("sweep configuration", label or " ".join(arguments), f"its main guarantee ({g.name}) "
+                          "charges a stop that depends on the hidden sample to its delta, which private selection's "
+                          "RDP composition does not carry", "sweep it with a fixed-size sampler (trainer.sampling="
+                          "uniform), or with no stop (dropout=0 and a min_survivors the cohort always meets)")
     comps = ledger.planned_compositions(rounds)[g.name]
     many = len(g.profiles) > 1
     trials = tuple(Trial((_composable(p.release, int(n), label),), f"{label}; profile {k}" if many else label)

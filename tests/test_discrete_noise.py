@@ -186,9 +186,11 @@ def table_violations(table: dn.PoissonTable, every: int = 1) -> list[str]:
     with mpmath.workdps(60):
         for i in range(0, table.accept_lo.size, every):
             k = table.k_lo + i
-            a = ratio_mp(table.lam, k, table.mode) * mpmath.mpf(2) ** table.shift / int(table.block_weights[i // table.width])
-            if not (a <= 1 and mpmath.mpf(float(table.accept_lo[i])) <= a <= mpmath.mpf(float(table.accept_hi[i]))):
-                out.append(f"k={k}: acceptance {mpmath.nstr(a, 20)} outside [{table.accept_lo[i]!r}, {table.accept_hi[i]!r}] or above 1")
+            weight = int(table.block_weights[i // table.width])
+            a = ratio_mp(table.lam, k, table.mode) * mpmath.mpf(2) ** table.shift / weight
+            lo, hi = float(table.accept_lo[i]), float(table.accept_hi[i])
+            if not (a <= 1 and mpmath.mpf(lo) <= a <= mpmath.mpf(hi)):
+                out.append(f"k={k}: acceptance {mpmath.nstr(a, 20)} outside [{lo!r}, {hi!r}] or above 1")
     return out
 
 

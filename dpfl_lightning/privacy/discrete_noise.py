@@ -620,7 +620,7 @@ def _tail_width(lam: Fraction, start: int, step: int) -> int:
     def halves(v: int) -> bool:
         return 2 * num**v <= den**v
 
-    v = max(1, math.ceil(_LN2 / (math.log(den) - math.log(num))) - 1)
+    v = max(1, math.ceil(_LN2 / max(math.log(den) - math.log(num), 1e-300)) - 1)  # a guess, then exact
     while not halves(v):
         v += 1
     while v > 1 and halves(v - 1):
@@ -630,14 +630,16 @@ def _tail_width(lam: Fraction, start: int, step: int) -> int:
 
 @functools.lru_cache(maxsize=8)
 def poisson_table(lam: Fraction, half_width: int | None = None) -> PoissonTable:
-    """The proposal for Poisson(``lam``) (module docstring): over ``k = mode +- half_width`` (default
-    ``8 sqrt(lam) + 16``) the integer weights ``W_k = floor(u_k 2^(K - bits) (1 + 2^-50)) + 2``, at least
-    ``2^K R_k`` (:func:`pmf_ratio_bounds`: ``u_k <= 2^bits R_k <= u_k + |k - m|``), in correctly rounded
-    float operations whose results are exact or bounded with margins; ``K`` makes them sum to about
-    ``2^45``. Beyond, two geometric tails (:class:`PoissonTail`) whose heights are the weights at the
+    """The proposal for Poisson(``lam``) (module docstring). Over ``k = mode +- half_width`` (default
+    ``8 sqrt(lam) + 16``): the integer bounds ``V_k = floor(u_k 2^(K - bits) (1 + 2^-50)) + 2 >= 2^K R_k``
+    (:func:`pmf_ratio_bounds`: ``u_k <= 2^bits R_k <= u_k + |k - m|``; correctly rounded float operations
+    whose results are exact or bounded with margins), ``K`` such that they sum to about ``2^45``; blocks
+    of ``B = floor(sqrt(lam) / 32)`` integers weigh ``W_b = max V_k`` over the block, each of their
+    integers proposed with probability ``W_b / total`` (:func:`integer_alias` over the blocks' masses
+    ``W_b |b|``). Beyond, two geometric tails (:class:`PoissonTail`) whose heights are the ``V`` at the
     table's ends and whose block width halves ``R_k`` (:func:`_tail_width`, exact). The acceptance
-    ``2^K R_k / W_k`` is enclosed by ``accept_lo`` and ``accept_hi``, within ~2^-48 of each other.
-    Cached: a run passes one ``lam`` to every client."""
+    ``2^K R_k / W_b`` is enclosed by ``accept_lo`` and ``accept_hi`` (one pair a ``k``), within ~2^-48 of
+    each other. Cached: a run passes one ``lam`` to every client."""
     m = math.floor(lam)
     half = math.isqrt(math.ceil(TABLE_SIGMAS**2 * lam)) + 17 if half_width is None else int(half_width)
     k_lo, k_hi = max(0, m - half), m + half

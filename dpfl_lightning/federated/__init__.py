@@ -4,7 +4,8 @@ Owns: :mod:`~.plan` (the round plan plugins may edit), :mod:`~.sampling` (which 
 every rank draws the same cohort), :mod:`~.placement` (which rank trains which client),
 :mod:`~.payload` (what a client sends: named segments in one row), :mod:`~.aggregation` (rows
 folded into per-rank sums and all-reduced exactly), :mod:`~.secure_sum` (integer rows summed modulo
-``2^b`` under SecAgg masks), :mod:`~.releases` (what a DP run may log,
+``2^b`` under SecAgg masks), :mod:`~.short_rounds` (how often a secure sum with dropouts is short:
+settings alone), :mod:`~.releases` (what a DP run may log,
 gather or checkpoint) and :mod:`~.frozen` (frozen parameters are not part of an update).
 
 May import: ``comm``, ``privacy`` and the foundation (``errors``, ``rng``). It never imports the

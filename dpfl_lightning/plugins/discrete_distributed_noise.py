@@ -114,7 +114,6 @@ import math
 import time
 import warnings
 
-import numpy as np
 import torch
 from scipy import stats
 
@@ -122,6 +121,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE, Segment
 from dpfl_lightning.federated.releases import MetricRelease
+from dpfl_lightning.federated.short_rounds import cohort_law, stop_chance
 from dpfl_lightning.federated.secure_sum import IntegerSumRound, IntegerSumSettings, StageTimes, row_length
 from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
@@ -139,7 +139,6 @@ ROTATION = rng.register_purpose("DiscreteDistributedNoise.rotation", private=Fal
 ROUNDING = rng.register_purpose("DiscreteDistributedNoise.rounding")
 COHORT_TAIL = 1e-12  # the cohort sizes the modulus is sized for: all but this tail
 SURVIVOR_TAIL = 1e-6  # default min_survivors under fixed-size samplers: rounds skipped with at most this probability
-SIZE_TAIL = 1e-18  # cohort sizes beyond these quantiles are counted as stopping (stop_chance)
 HIDDEN_SIZE_SAMPLERS = ("poisson", "amplified_cyclic")  # the cohort's size is random and amplification hides it
 FIX = "drop it, or use GaussianNoise(placement='distributed') (float shares) instead of DiscreteDistributedNoise"
 FIXES = {"GaussianNoise": "use one noise on the update: DiscreteDistributedNoise alone (GaussianNoise on other "
@@ -172,57 +171,6 @@ def paired_reason(plugin) -> str | None:
         return (f"{type(plugin).__name__} randomizes the update too; its output would be zeroed or replaced by the "
                 "decoded sum while the ledger accounts it")
     return None
-
-
-def cohort_law(sampler) -> tuple[int, float]:
-    """``(trials, p)``: the round's cohort size is Binomial(trials, p) (``p = 1``: fixed)."""
-    kind = sampler.kind
-    if kind == "poisson":
-        return sampler.num_clients, sampler.sampling_rate
-    if kind == "amplified_cyclic":
-        return sampler.clients_per_round, sampler.rate
-    if kind in ("uniform", "cyclic"):
-        return sampler.clients_per_round, 1.0
-    return sampler.num_clients, 1.0
-
-
-def _survivors_needed(k: np.ndarray, min_survivors: int, secagg: bool, threshold: int | None,
-                      neighbours: int | None) -> np.ndarray:
-    """The fewest survivors a round with a cohort of ``k`` clients runs with: ``min_survivors``, and
-    under SecAgg 2 and the threshold (:func:`dpfl_lightning.comm.secagg.default_threshold`, a strict
-    majority of a secret's holders: the cohort, or a SecAgg+ client and its ``neighbours``)."""
-    need = np.full(k.shape, min_survivors, dtype=np.int64)
-    if not secagg:
-        return need
-    complete = np.ones(k.shape, dtype=bool) if neighbours is None else neighbours >= k - 1
-    holders = np.where(complete, k, (neighbours or 0) + 1)
-    t = np.full(k.shape, threshold) if threshold is not None else holders // 2 + 1
-    return np.maximum(need, np.maximum(t, 2))
-
-
-def stop_chance(min_survivors: int, trials: int, p: float, dropout: float, secagg: bool = True,
-                threshold: int | None = None, neighbours: int | None = None) -> float:
-    """A bound on the chance that a round is short (skipped or stopped) when its cohort is
-    Binomial(``trials``, ``p``) clients, each surviving with probability ``1 - dropout``: fewer survivors
-    than :func:`_survivors_needed`, summed over the cohort sizes; under SecAgg+ (a cohort larger than
-    ``neighbours + 1``) plus a union bound over the cohort on a secret with fewer than ``t`` surviving
-    holders (a survivor's own share counts, a dropped client's does not). Settings alone."""
-    keep = 1.0 - dropout
-    if p >= 1:
-        k, pk, outside = np.array([trials]), np.array([1.0]), 0.0
-    else:
-        lo = int(stats.binom.ppf(SIZE_TAIL, trials, p))
-        hi = int(stats.binom.isf(SIZE_TAIL, trials, p))
-        k = np.arange(lo, hi + 1)
-        pk = stats.binom.pmf(k, trials, p)
-        outside = float(stats.binom.cdf(lo - 1, trials, p) + stats.binom.sf(hi, trials, p))
-    need = _survivors_needed(k, min_survivors, secagg, threshold, neighbours)
-    short = stats.binom.cdf(need - 1, k, keep)
-    if secagg and neighbours is not None and dropout > 0:
-        t = threshold if threshold is not None else (neighbours + 1) // 2 + 1
-        per_client = keep * stats.binom.cdf(t - 2, neighbours, keep) + dropout * stats.binom.cdf(t - 1, neighbours, keep)
-        short = np.where(neighbours < k - 1, np.minimum(1.0, short + k * per_client), short)
-    return float(min(1.0, np.sum(pk * short) + outside))
 
 
 class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):

@@ -1,24 +1,22 @@
 """The distributed-DP study: continuous distributed Gaussian vs the distributed discrete Gaussian and
 Skellam under secure aggregation, on configs/quickstart.yaml's task and cohort (digits, 200 clients,
-Poisson 0.2: 40 expected, 2 local epochs, batch 8, clip 1).
+a cohort of 40, 2 local epochs, batch 8, clip 1).
 
 For each target epsilon (the ledger's main guarantee, client_distributed: towards the server, at the
 run's delta) every mechanism is calibrated (``target_epsilon``), trained and reported with its
-final test accuracy (mean over seeds), the wrap-around bound (settings alone), the ledger's epsilon,
-and seconds per round on this rank by stage (noise, rounding, masks, unmasking+decoding).
+final test accuracy (mean and std over seeds), the wrap-around bound (settings alone), the ledger's
+epsilon (and towards model observers), and seconds per round on this rank by stage (noise, rounding,
+masks with the key exchange, unmasking+decoding).
 
-Shares are sized for the default ``min_survivors`` (the 1e-6 quantile of the survivors' count from
-the sampler and the dropout rate): under Poisson sampling a short round may not be skipped (it
-would reveal the hidden cohort's size), so a run stops instead, with probability at most
-``shortfall_bound`` (reported).
+``--sampling uniform`` (the papers' setting) draws a fixed cohort of 40: shares are sized for all 40
+without dropouts, and with dropouts for the default ``min_survivors`` (the 1e-6 quantile of the
+survivors' count; a shorter round is skipped, which releases nothing under a fixed-size sampler).
+``--sampling poisson`` (the quickstart's sampler, 40 expected) hides the cohort: a short round stops
+the run, the ledger charges the stop to the guarantee towards model observers, and the default
+``min_survivors`` is the largest whose charge stays under 10% of delta (see DiscreteDistributedNoise).
 
-    OMP_NUM_THREADS=1 python benchmarks/discrete_ddp_cost.py --rounds 60 --seeds 0 1 2
-    OMP_NUM_THREADS=1 python benchmarks/discrete_ddp_cost.py --rounds 15 --seeds 0 --bits 12 16 32 --out study.json
-    OMP_NUM_THREADS=1 python benchmarks/discrete_ddp_cost.py --sampling uniform --dropouts 0 --bits 16 20
-
-``--sampling uniform`` draws a fixed cohort of 40 (no amplification by Poisson sampling is claimed
-then for the continuous row either): without dropouts every share is sized for the 40 present, the
-setting in which the papers compare the discrete mechanisms with the continuous one.
+    OMP_NUM_THREADS=1 python benchmarks/discrete_ddp_cost.py --sampling uniform --rounds 60 --seeds 0 1 2
+    OMP_NUM_THREADS=1 python benchmarks/discrete_ddp_cost.py --sampling poisson --bits 16 --rounds 60 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from dpfl_lightning.plugins import DiscreteDistributedNoise, GaussianNoise, Upda
 from dpfl_lightning.trainer import FederatedTrainer
 
 
-SAMPLING = "poisson"  # --sampling uniform: a fixed cohort of 40, whose shares are sized for all 40 without dropouts
+SAMPLING = "poisson"  # --sampling: "uniform" (a fixed cohort of 40) or "poisson" (40 expected, hidden)
 
 
 def run(noise, rounds: int, seed: int) -> dict:
@@ -51,6 +49,7 @@ def run(noise, rounds: int, seed: int) -> dict:
                                                                                             partition="iid"))
     last = trainer.history[-1]
     out = {"acc": float(last.get("test_acc", float("nan"))), "epsilon": float(last["epsilon"]),
+           "epsilon_models": float(last.get("epsilon_client_distributed_models", float("nan"))),
            "s_per_round": (time.perf_counter() - t0) / rounds}
     if isinstance(noise, DiscreteDistributedNoise):
         st = noise.stage_seconds
@@ -87,8 +86,8 @@ def main() -> None:
     global SAMPLING
     SAMPLING = a.sampling
     rows = []
-    print("| eps | mechanism | bits | dropout | acc | ledger eps | wrap bound/round | s/round | noise s | rounding s |"
-          " masks s | unmask s | min survivors | stop bound |", flush=True)
+    print("| eps | mechanism | bits | dropout | acc (std) | ledger eps | models eps | wrap bound/round | s/round |"
+          " noise s | rounding s | masks s | unmask s | min survivors | stop bound |", flush=True)
     for eps in a.epsilons:
         for mech, p, bits, _ in configs(eps, a.bits, a.dropouts, a.mechanisms):
             res = []
@@ -109,7 +108,9 @@ def main() -> None:
             def m(k: str) -> float:
                 return float(np.mean([r.get(k, np.nan) for r in res]))
 
-            print(f"| {eps:g} | {mech} | {bits or '-'} | {p:g} | {m('acc'):.3f} | {m('epsilon'):.2f} | "
+            std = float(np.std([r.get("acc", np.nan) for r in res]))
+            print(f"| {eps:g} | {mech} | {bits or '-'} | {p:g} | {m('acc'):.3f} ({std:.3f}) | {m('epsilon'):.2f} | "
+                  f"{m('epsilon_models'):.2f} | "
                   f"{m('wrap'):.1e} | {m('s_per_round'):.2f} | {m('noise_s'):.2f} | {m('rounding_s'):.3f} | "
                   f"{m('masks_s'):.3f} | {m('unmask_s'):.3f} | {m('min_survivors'):.0f} | {m('shortfall'):.1e} |",
                   flush=True)

@@ -122,3 +122,18 @@ def torch_lrs(make_scheduler, steps: int, lr: float = 0.1) -> list[float]:
         opt.step()
         sched.step()
     return out
+
+
+def record_client_secrets(monkeypatch) -> list:
+    """The SecAgg client secrets every ``ClientSecrets`` made from now on (appended as they are made)."""
+    from dpfl_lightning.comm import secagg
+
+    made = []
+    init = secagg.ClientSecrets.__init__
+
+    def recording_init(self, client, round_idx, key_source):
+        init(self, client, round_idx, key_source)
+        made.append(self)
+
+    monkeypatch.setattr(secagg.ClientSecrets, "__init__", recording_init)
+    return made

@@ -15,7 +15,7 @@ from dpfl_lightning.comm import secagg
 from dpfl_lightning.comm.secagg import SecAggRound, mod_sum
 from dpfl_lightning.federated.secure_sum import IntegerSumRound, IntegerSumSettings
 from dpfl_lightning.plugins import DiscreteDistributedNoise, UpdateClipping
-from helpers import TinyClassifier, quiet_trainer, tiny_data
+from helpers import TinyClassifier, quiet_trainer, record_client_secrets, tiny_data
 
 
 class ThreadRanks:
@@ -142,14 +142,7 @@ def test_integer_round_with_local_clients_needs_the_collectives():
 
 
 def test_a_secure_run_writes_none_of_its_clients_secrets(tmp_path, monkeypatch):
-    made = []
-    init = secagg.ClientSecrets.__init__
-
-    def recording_init(self, client, round_idx, key_source):
-        init(self, client, round_idx, key_source)
-        made.append(self)
-
-    monkeypatch.setattr(secagg.ClientSecrets, "__init__", recording_init)
+    made = record_client_secrets(monkeypatch)
     trainer = quiet_trainer(str(tmp_path), rounds=2, clients_per_round=5, seed=3, secure=True, checkpoint_every=1,
                             final_checkpoint=True, plugins=[UpdateClipping(0.5), DiscreteDistributedNoise(
                                 noise_multiplier=0.5, bits=20, dropout=0.2, min_survivors=2)])

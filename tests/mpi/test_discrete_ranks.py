@@ -7,11 +7,10 @@ import os
 
 import torch
 
-from dpfl_lightning.comm import secagg
 from dpfl_lightning.federated.payload import UPDATE
 from dpfl_lightning.plugins import DiscreteDistributedNoise, UpdateClipping
 from dpfl_lightning.plugins.discrete_distributed_noise import SEGMENT
-from helpers import TinyClassifier, quiet_trainer, tiny_data
+from helpers import TinyClassifier, quiet_trainer, record_client_secrets, tiny_data
 
 
 def _fit(log_dir, communicator, mechanism):
@@ -51,14 +50,7 @@ class Recording(DiscreteDistributedNoise):
 
 
 def test_secure_secagg_on_two_ranks_keeps_secrets_on_their_rank_and_decodes_the_sum(shared_tmp, comm, monkeypatch):
-    made = []
-    init = secagg.ClientSecrets.__init__
-
-    def recording_init(self, client, round_idx, key_source):
-        init(self, client, round_idx, key_source)
-        made.append(self)
-
-    monkeypatch.setattr(secagg.ClientSecrets, "__init__", recording_init)
+    made = record_client_secrets(monkeypatch)
     noise = Recording(noise_multiplier=1e-3, bits=20, dropout=0.2, min_survivors=4)
     log_dir = os.path.join(shared_tmp, "secure")
     trainer = quiet_trainer(log_dir, rounds=3, clients_per_round=10, communicator="auto", seed=4, secure=True,

@@ -61,17 +61,12 @@ def _plan(tmp_path, noise, num_clients, delta, **sampling):
 
 
 # ----------------------------------------------------------------------------- (a) the stop's probability
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: under amplified_cyclic sampling short_rounds.cohort_law takes clients_per_round as the group "
-    "size, but the sampler splits the M clients into ceil(M / clients_per_round) groups of floor/ceil(M / "
-    "groups) (40 clients, clients_per_round=30: two groups of 20), so the declared stop probability is that "
-    "of a cohort drawn from 30 (and 29) clients, ~1500x below the real chance for a group of 20 (and 19): "
-    "the ledger under-charges the models guarantee's delta"))
 def test_amplified_cyclic_stop_charge_covers_the_groups_the_sampler_draws(tmp_path):
     """Attack: 40 clients in amplified-cyclic groups (clients_per_round=30 gives two groups of 20);
     the real per-round chance of a short round is that of a group of 20 -- or of 19, the add/remove
     neighbour -- sampled at 0.9; the plugin's declared stop probability (what the ledger charges)
-    must be at least that."""
+    must be at least that. (It was not: the group size was taken to be clients_per_round, a
+    declared 1.3e-10 against a real 1.8e-7.)"""
     m, rate, dropout, clients, per_round = 3, 0.9, 0.05, 40, 30
     noise = DiscreteDistributedNoise(noise_multiplier=3.0, bits=24, dropout=dropout, min_survivors=m)
     ledger = _plan(tmp_path, noise, clients, 1e-3, sampling="amplified_cyclic", clients_per_round=per_round,
@@ -84,7 +79,7 @@ def test_amplified_cyclic_stop_charge_covers_the_groups_the_sampler_draws(tmp_pa
 
 def test_amplified_cyclic_with_full_groups_is_charged_the_groups_law(tmp_path):
     """The same attack where every group has clients_per_round members (40 clients, groups of 20): the
-    charge is the real chance (the test above can pass once the group sizes are used)."""
+    charge is the real chance, not a looser bound."""
     m, rate, dropout, clients, per_round = 3, 0.9, 0.05, 40, 20
     noise = DiscreteDistributedNoise(noise_multiplier=3.0, bits=24, dropout=dropout, min_survivors=m)
     ledger = _plan(tmp_path, noise, clients, 1e-3, sampling="amplified_cyclic", clients_per_round=per_round,

@@ -14,15 +14,26 @@ SIZE_TAIL = 1e-18  # cohort sizes beyond these quantiles are counted as stopping
 
 
 def cohort_law(sampler) -> tuple[int, float]:
-    """``(trials, p)``: the round's cohort size is Binomial(trials, p) (``p = 1``: fixed)."""
+    """``(trials, p)``: the round's cohort size is Binomial(trials, p) (``p = 1``: fixed); under
+    ``amplified_cyclic``, ``trials`` is the largest group (see :func:`group_sizes`)."""
     kind = sampler.kind
     if kind == "poisson":
         return sampler.num_clients, sampler.sampling_rate
     if kind == "amplified_cyclic":
-        return sampler.clients_per_round, sampler.rate
+        return max(group_sizes(sampler)), sampler.rate
     if kind in ("uniform", "cyclic"):
         return sampler.clients_per_round, 1.0
     return sampler.num_clients, 1.0
+
+
+def group_sizes(sampler) -> tuple[int, ...]:
+    """The ``trials`` of every cohort law the sampler draws from: under ``amplified_cyclic`` the
+    sizes of its ``ceil(M / clients_per_round)`` groups (``floor`` or ``ceil`` of ``M / groups``, which
+    can be well below ``clients_per_round``); otherwise :func:`cohort_law`'s one."""
+    if sampler.kind == "amplified_cyclic":
+        b = sampler.groups
+        return tuple(sorted({sampler.num_clients // b, -(-sampler.num_clients // b)}))
+    return (cohort_law(sampler)[0],)
 
 
 def survivors_needed(k: np.ndarray, min_survivors: int, secagg: bool, threshold: int | None,

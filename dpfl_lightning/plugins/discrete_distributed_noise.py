@@ -56,8 +56,9 @@ in S] + delta_I + P_D[B] <= e^eps P[M'(D') in S] + delta_I + P_D[B] + e^eps P_D'
 ``(eps, delta_I + (1 + e^eps) s)``-DP, ``s`` = :attr:`shortfall_bound` (rounds times :attr:`stop_per_round`,
 the chance that a round has fewer survivors than ``min_survivors`` or than the SecAgg threshold --
 the default strict majority of the cohort, or the holders of a SecAgg+ secret -- or a cohort under 2,
-summed over the Binomial cohort sizes, for the population and for a neighbour one client smaller:
-from the settings alone). The plugin declares ``stop_per_round`` as its mechanism's
+summed over the Binomial cohort sizes, for the population -- under ``amplified_cyclic``, every size
+its groups have (``M`` split into ``ceil(M / clients_per_round)`` groups) -- and for a neighbour one
+client smaller: from the settings alone). The plugin declares ``stop_per_round`` as its mechanism's
 ``stop_probability``; the guarantees towards model observers (``client_distributed_models``, or
 ``client_central`` beside a central noise) report the least ``eps`` with ``eps >= eps_I(delta -
 (1 + e^eps) s)``, and a run where none exists is refused at set-up. The guarantee towards the server
@@ -121,7 +122,7 @@ from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.federated.payload import UPDATE, Segment
 from dpfl_lightning.federated.releases import MetricRelease
-from dpfl_lightning.federated.short_rounds import cohort_law, stop_chance
+from dpfl_lightning.federated.short_rounds import cohort_law, group_sizes, stop_chance
 from dpfl_lightning.federated.secure_sum import IntegerSumRound, IntegerSumSettings, StageTimes, row_length
 from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
@@ -249,6 +250,7 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
                 "give the model (or its parameter count) when planning")
         self._padded = padded_dim(self._d)
         trials, p = cohort_law(ctx.sampler)
+        self._sizes = group_sizes(ctx.sampler)
         self._check_too_few_policy(ctx.sampler.kind)
         self._hidden = ctx.sampler.kind in HIDDEN_SIZE_SAMPLERS
         self._law = (trials, p)
@@ -270,10 +272,11 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         self.shortfall_bound = min(1.0, ctx.rounds * self.stop_per_round)
 
     def _stop_chance(self, m: int) -> float:
-        """:func:`stop_chance` with ``m`` shares; under a hidden-size sampler the larger of the
-        population's and of a neighbour one client smaller (both enter the bad-event argument)."""
-        trials, p = self._law
-        sizes = (trials, trials - 1) if self._hidden and trials > 1 else (trials,)
+        """:func:`stop_chance` with ``m`` shares; under a hidden-size sampler the largest over the
+        cohort laws it draws from (every amplified-cyclic group size) and a neighbour one client
+        smaller (both enter the bad-event argument)."""
+        p = self._law[1]
+        sizes = {n for g in self._sizes for n in ((g, g - 1) if self._hidden and g > 1 else (g,))}
         return max(stop_chance(m, n, p, self.dropout, self.secagg, self.threshold, self.neighbours) for n in sizes)
 
     def _models_epsilon(self, ctx, delta: float) -> float:

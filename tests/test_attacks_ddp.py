@@ -19,7 +19,7 @@ real defect) is marked ``xfail(strict=True)`` with the defect in its reason.
 from __future__ import annotations
 
 import math
-import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -29,6 +29,7 @@ from scipy import stats
 from dpfl_lightning import FederatedDataModule, FederatedTrainer
 from dpfl_lightning.cli.privacy_command import plan_run
 from dpfl_lightning.plugins import DiscreteDistributedNoise, PrivacyLedger, UpdateClipping
+from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.privacy import discrete_noise as dn
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 from neighbours import differences, written
@@ -98,3 +99,110 @@ def test_poisson_stop_charge_bounds_the_population_and_both_neighbours(tmp_path,
     _plan(tmp_path, noise, clients, 1e-3, sampling="poisson", sampling_rate=rate)
     real = max(short_given_cohort(m, n, rate, dropout) for n in (clients - 1, clients, clients + 1))
     assert noise.stop_per_round >= real * (1 - 1e-9), (noise.stop_per_round, real)
+
+
+# ----------------------------------------------------------------------------- (b) the charge on other paths
+def _charged(tmp_path, rounds, delta=1e-3, **kw):
+    """tests/test_stop_probability.py's charged setting (40 clients at Poisson 0.5, 10% dropouts, 6 shares)."""
+    from test_stop_probability import CLIENTS, CLIP, DROPOUT, RATE
+
+    noise = DiscreteDistributedNoise(noise_multiplier=3.0, bits=24, dropout=DROPOUT, min_survivors=6)
+    trainer = quiet_trainer(str(tmp_path), rounds=rounds, seed=3, sampling="poisson", sampling_rate=RATE,
+                            plugins=[UpdateClipping(CLIP), noise, PrivacyLedger(delta=delta)], **kw)
+    return noise, trainer, tiny_data(num_clients=CLIENTS)
+
+
+def _expected(noise, rounds: int, delta: float) -> float:
+    """The least fixed point of test_stop_probability's independent computation at ``delta``."""
+    from test_stop_probability import eps_ideal, least_fixed_point, models_curve, stop_bound
+
+    curve = models_curve(noise, sum(p.numel() for p in TinyClassifier().parameters()))
+    s = stop_bound(noise.min_survivors, rounds)
+    return least_fixed_point(lambda d: eps_ideal(curve, rounds, d), delta, lambda e: (1 + math.exp(e)) * s)
+
+
+def test_a_resumed_run_reports_the_charged_epsilon_of_all_its_rounds(tmp_path):
+    """Attack: resume a charged run from its round-1 checkpoint to 3 rounds; the models epsilon it logs
+    must carry the stop's charge over all 3 rounds (not be recomputed without it, nor over 1)."""
+    import glob
+
+    noise, trainer, data = _charged(tmp_path / "run", 1, checkpoint_every=1, run_name="r")
+    trainer.fit(TinyClassifier(), data)
+    (path,) = glob.glob(str(tmp_path / "run" / "r" / "version_0" / "checkpoints" / "*.ckpt"))[:1]
+    noise2, resumed, data = _charged(tmp_path / "run", 3, run_name="r")
+    resumed.fit(TinyClassifier(), data, ckpt_path=path)
+    logged = resumed.history[-1][f"epsilon_{MODELS}"]
+    assert resumed.history[-1]["round"] == 3
+    assert logged == pytest.approx(_expected(noise2, 3, 1e-3), rel=1e-5)
+    assert logged > _expected(noise2, 1, 1e-3) * 1.05  # 3 rounds, not 1
+
+
+def test_secure_mode_charges_the_stop_inside_the_delta_left_by_the_participation_tail(tmp_path):
+    """Attack: in secure mode the models guarantee's delta is shared by the participation bound's tail
+    (10%) and the stop; the logged epsilon must be the least fixed point at 0.9 delta, not at delta."""
+    noise, trainer, data = _charged(tmp_path, 3, secure=True)
+    trainer.fit(TinyClassifier(), data)
+    logged = trainer.history[-1][f"epsilon_{MODELS}"]
+    assert logged == pytest.approx(_expected(noise, 3, 0.9e-3), rel=1e-5)
+    assert logged > _expected(noise, 3, 1e-3) * (1 + 1e-4)
+
+
+# ----------------------------------------------------------------------------- (c) neighbouring datasets
+N_CLIENTS, RECORDS = 40, 6
+
+
+def _neighbour_data(change: str | None) -> FederatedDataModule:
+    """40 clients of six records; ``change`` alters client 3's (a huge record, or a marker record)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N_CLIENTS * RECORDS, 10, generator=g), torch.arange(N_CLIENTS * RECORDS) % 10
+    gt = torch.Generator().manual_seed(1)
+    xt, yt = torch.randn(12, 10, generator=gt), torch.arange(12) % 10
+    clients = [list(range(c * RECORDS, (c + 1) * RECORDS)) for c in range(N_CLIENTS)]
+    if change == "huge":
+        x[clients[3][1]] *= 1e4
+    elif change == "marker":
+        x[clients[3][2]] = 1000.0
+    return FederatedDataModule.from_tensors(x, y, xt, yt, client_indices=clients)
+
+
+class PlantedLeak(FederatedCallback):
+    """A planted leak (the harness must see it): warns a client's update norm before the noise."""
+
+    order = 5
+
+    def on_client_end(self, *, client) -> None:
+        if client.client == 3:
+            warnings.warn(f"client 3's update norm {float(client.payload['update'].norm()):.6g}")
+
+
+def _poisson_neighbours(tmp_path, mechanism, change, extra=()):
+    def fit(change):
+        def run(log_dir: str) -> None:
+            noise = DiscreteDistributedNoise(mechanism, noise_multiplier=3.0, bits=24, dropout=0.1, min_survivors=6)
+            FederatedTrainer(log_dir=log_dir, run_name="nb", rounds=3, batch_size=4, num_threads=1, seed=0,
+                             enable_progress_bar=False, enable_summary=True, checkpoint_every=1,
+                             final_checkpoint=True, sampling="poisson", sampling_rate=0.5,
+                             plugins=[UpdateClipping(0.5), noise, PrivacyLedger(delta=1e-3), *extra]
+                             ).fit(TinyClassifier(), _neighbour_data(change))
+        return run
+
+    a = written(str(tmp_path / "a"), fit(None))
+    b = written(str(tmp_path / "b"), fit(change))
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert any(k.endswith(".ckpt") for k in a.files) and any(k.endswith("metrics.csv") for k in a.files)
+    return differences(a, b)
+
+
+@pytest.mark.parametrize("mechanism", ["discrete_gaussian", "skellam"])
+@pytest.mark.parametrize("change", ["huge", "marker"])
+def test_poisson_discrete_noise_writes_the_same_on_neighbouring_datasets(tmp_path, mechanism, change):
+    """Attack: under Poisson sampling (the cohort's size hidden, a stop charged), SecAgg and 10%
+    dropouts, diff everything written -- metrics (noise_std, wraparound_bound, epsilons), hparams,
+    checkpoints (the plugin's state, the ledger's), the privacy lines, warnings -- when client 3's
+    data changes."""
+    assert _poisson_neighbours(tmp_path, mechanism, change) == []
+
+
+def test_the_neighbour_harness_sees_a_planted_leak(tmp_path):
+    """The attack above can fail: a warning with client 3's update norm differs between the runs."""
+    assert any("update norm" in d for d in _poisson_neighbours(tmp_path, "skellam", "huge", [PlantedLeak()]))

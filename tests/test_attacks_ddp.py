@@ -206,3 +206,33 @@ def test_poisson_discrete_noise_writes_the_same_on_neighbouring_datasets(tmp_pat
 def test_the_neighbour_harness_sees_a_planted_leak(tmp_path):
     """The attack above can fail: a warning with client 3's update norm differs between the runs."""
     assert any("update norm" in d for d in _poisson_neighbours(tmp_path, "skellam", "huge", [PlantedLeak()]))
+
+
+# ----------------------------------------------------------------------------- (d) the sampler
+class Words:
+    """A seeded stream of 53-bit words (what a client's noise stream gives the sampler)."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = np.random.default_rng(seed)
+
+    def words(self, n: int) -> np.ndarray:
+        return self.gen.integers(0, 1 << 53, n, dtype=np.uint64)
+
+
+@pytest.mark.parametrize("kind, parameter", [("skellam", 37.25), ("skellam", 2.5e5), ("discrete_gaussian", 900.0)])
+def test_a_clients_noise_is_a_function_of_its_stream_alone(kind, parameter):
+    """Attack on the cached tables: a client's draws must not depend on what was drawn before (other
+    clients' draws from the cached table, other parameters evicting it), nor differ from a table
+    built afresh -- else one client's noise would carry another's, or a rank's history."""
+    dn.poisson_table.cache_clear()
+    first = dn.integer_noise(Words(1), kind, parameter, (4000,))
+    dn.integer_noise(Words(2), kind, parameter, (200_000,))  # another client, same table
+    for i in range(10):  # other parameters: the cache (8 tables) evicts this one
+        dn.integer_noise(Words(10 + i), kind, parameter * (1.5 + i), (1000,))
+    dn.integer_noise(Words(3), kind, parameter, (50_000,))
+    again = dn.integer_noise(Words(1), kind, parameter, (4000,))
+    assert torch.equal(first, again)
+    if kind == "skellam":  # a table built without the cache gives the same draws
+        fresh = dn.sample_poisson(dn.poisson_table.__wrapped__(dn.as_fraction(parameter, "lam")), Words(1), 8000)
+        assert torch.equal(first, torch.from_numpy(fresh[:4000] - fresh[4000:]))
+    assert float(first.double().var()) == pytest.approx(2 * parameter if kind == "skellam" else parameter, rel=0.1)

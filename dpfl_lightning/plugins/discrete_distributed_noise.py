@@ -57,8 +57,8 @@ in S] + delta_I + P_D[B] <= e^eps P[M'(D') in S] + delta_I + P_D[B] + e^eps P_D'
 the chance that a round has fewer survivors than ``min_survivors`` or than the SecAgg threshold --
 the default strict majority of the cohort, or the holders of a SecAgg+ secret -- or a cohort under 2,
 summed over the Binomial cohort sizes, for the population -- under ``amplified_cyclic``, every size
-its groups have (``M`` split into ``ceil(M / clients_per_round)`` groups) -- and for a neighbour one
-client smaller: from the settings alone). The plugin declares ``stop_per_round`` as its mechanism's
+its groups have (``M`` split into ``ceil(M / clients_per_round)`` groups) -- and for the neighbours one
+client smaller or larger: from the settings alone). The plugin declares ``stop_per_round`` as its mechanism's
 ``stop_probability``; the guarantees towards model observers (``client_distributed_models``, or
 ``client_central`` beside a central noise) report the least ``eps`` with ``eps >= eps_I(delta -
 (1 + e^eps) s)``, and a run where none exists is refused at set-up. The guarantee towards the server
@@ -273,10 +273,11 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
 
     def _stop_chance(self, m: int) -> float:
         """:func:`stop_chance` with ``m`` shares; under a hidden-size sampler the largest over the
-        cohort laws it draws from (every amplified-cyclic group size) and a neighbour one client
-        smaller (both enter the bad-event argument)."""
+        cohort laws it draws from (every amplified-cyclic group size) and the add/remove neighbours,
+        one client smaller or larger (all enter the bad-event argument; SecAgg+'s per-secret failures
+        grow with the cohort)."""
         p = self._law[1]
-        sizes = {n for g in self._sizes for n in ((g, g - 1) if self._hidden and g > 1 else (g,))}
+        sizes = {n for g in self._sizes for n in ((g - 1, g, g + 1) if self._hidden else (g,)) if n >= 1}
         return max(stop_chance(m, n, p, self.dropout, self.secagg, self.threshold, self.neighbours) for n in sizes)
 
     def _models_epsilon(self, ctx, delta: float) -> float:

@@ -149,8 +149,8 @@ class Mechanism:
     stream: Stream | None = None
     #: per round, a bound on the probability that the round stops the run observably in a way whose
     #: chance depends on whether a client is in the hidden sample (DiscreteDistributedNoise's short
-    #: rounds under Poisson sampling): bounded for the run's population and for a neighbour one client
-    #: smaller, from the settings alone. The guarantees towards model observers charge it to delta by
+    #: rounds under Poisson sampling): bounded for the run's population and for its neighbours one client
+    #: smaller or larger, from the settings alone. The guarantees towards model observers charge it to delta by
     #: the bad-event argument (:func:`~dpfl_lightning.privacy.guarantees.epsilon_with_stop`).
     stop_probability: float = 0.0
 

@@ -51,7 +51,8 @@ def short_given_cohort(m: int, size: int, rate: float, dropout: float, neighbour
         t = (neighbours + 1) // 2 + 1 if plus else k // 2 + 1
         short = stats.binom.cdf(max(m, t, 2) - 1, k, keep)
         if plus:
-            short += k * (keep * stats.binom.cdf(t - 2, neighbours, keep) + dropout * stats.binom.cdf(t - 1, neighbours, keep))
+            secret = keep * stats.binom.cdf(t - 2, neighbours, keep) + dropout * stats.binom.cdf(t - 1, neighbours, keep)
+            short += k * secret
         total += stats.binom.pmf(k, size, rate) * min(1.0, short)
     return float(total)
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpfl_lightning import FederatedTrainer
-from dpfl_lightning.data import SyntheticLogistic
+from dpfl_lightning.data import FederatedDataModule, SyntheticLogistic
 from dpfl_lightning.plugins.callback import FederatedCallback
 
 
@@ -137,3 +137,21 @@ def record_client_secrets(monkeypatch) -> list:
 
     monkeypatch.setattr(secagg.ClientSecrets, "__init__", recording_init)
     return made
+
+
+def neighbouring_data(change: str | None, num_clients: int, records: int, marker_at: int = 2) -> FederatedDataModule:
+    """``num_clients`` clients of ``records`` records (10 features, 10 classes; a fixed test set of 12);
+    ``change`` alters client 3's: ``"marker"`` (record ``marker_at`` set to 1000), ``"huge"`` (record 1
+    times 1e4) or ``"fewer"`` (its first 6 records only), for the neighbouring-dataset attacks."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(num_clients * records, 10, generator=g), torch.arange(num_clients * records) % 10
+    gt = torch.Generator().manual_seed(1)
+    xt, yt = torch.randn(12, 10, generator=gt), torch.arange(12) % 10
+    clients = [list(range(c * records, (c + 1) * records)) for c in range(num_clients)]
+    if change == "marker":
+        x[clients[3][marker_at]] = 1000.0
+    elif change == "huge":
+        x[clients[3][1]] *= 1e4
+    elif change == "fewer":
+        clients[3] = clients[3][:6]
+    return FederatedDataModule.from_tensors(x, y, xt, yt, client_indices=clients)

@@ -31,7 +31,7 @@ from dpfl_lightning.cli.privacy_command import plan_run
 from dpfl_lightning.plugins import DiscreteDistributedNoise, PrivacyLedger, UpdateClipping
 from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.privacy import discrete_noise as dn
-from helpers import TinyClassifier, quiet_trainer, tiny_data
+from helpers import TinyClassifier, neighbouring_data, quiet_trainer, tiny_data
 from neighbours import differences, written
 
 MODELS = "client_distributed_models"
@@ -166,16 +166,7 @@ N_CLIENTS, RECORDS = 40, 6
 
 def _neighbour_data(change: str | None) -> FederatedDataModule:
     """40 clients of six records; ``change`` alters client 3's (a huge record, or a marker record)."""
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(N_CLIENTS * RECORDS, 10, generator=g), torch.arange(N_CLIENTS * RECORDS) % 10
-    gt = torch.Generator().manual_seed(1)
-    xt, yt = torch.randn(12, 10, generator=gt), torch.arange(12) % 10
-    clients = [list(range(c * RECORDS, (c + 1) * RECORDS)) for c in range(N_CLIENTS)]
-    if change == "huge":
-        x[clients[3][1]] *= 1e4
-    elif change == "marker":
-        x[clients[3][2]] = 1000.0
-    return FederatedDataModule.from_tensors(x, y, xt, yt, client_indices=clients)
+    return neighbouring_data(change, N_CLIENTS, RECORDS)
 
 
 class PlantedLeak(FederatedCallback):

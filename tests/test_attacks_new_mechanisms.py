@@ -40,7 +40,7 @@ from dpfl_lightning.privacy.selection import draw_trial_count, trial_count
 from dpfl_lightning.privacy.selection_accounting import Trial
 from dpfl_lightning.tracking import private_sweep, sweep
 from dpfl_lightning.tracking.sweep_privacy import RunPrivacy
-from helpers import TinyClassifier
+from helpers import TinyClassifier, neighbouring_data
 from neighbours import differences, written
 
 
@@ -211,23 +211,12 @@ def test_secure_sweep_trial_seed_is_not_a_function_of_the_sweep_seed(tmp_path):
 
 
 # =============================================================================== neighbouring datasets
-CLIENTS, RECORDS, MARKER = 4, 10, 1000.0
+CLIENTS, RECORDS = 4, 10
 
 
 def _data(change: str | None) -> FederatedDataModule:
     """Four clients of ten records; ``change`` alters client 3's (a marker record, a huge record, fewer)."""
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(CLIENTS * RECORDS, 10, generator=g), torch.arange(CLIENTS * RECORDS) % 10
-    gt = torch.Generator().manual_seed(1)
-    xt, yt = torch.randn(12, 10, generator=gt), torch.arange(12) % 10
-    clients = [list(range(c * RECORDS, (c + 1) * RECORDS)) for c in range(CLIENTS)]
-    if change == "marker":
-        x[clients[3][4]] = MARKER
-    elif change == "huge":
-        x[clients[3][1]] *= 1e4
-    elif change == "fewer":
-        clients[3] = clients[3][:6]
-    return FederatedDataModule.from_tensors(x, y, xt, yt, client_indices=clients)
+    return neighbouring_data(change, CLIENTS, RECORDS, marker_at=4)
 
 
 def _fit(change, plugins, **kw):

@@ -12,6 +12,7 @@ import behaviour
 TABLE = behaviour.load_table()
 EXACT = TABLE["environment"] == behaviour.environment()
 PLANTED = "configs/sweeps/paper000_base.yaml"  # DP-FedAvg, model lr 0.5; one of the cheapest runs
+QUANTIZED = "configs/ddp_skellam_quickstart.yaml"  # Skellam shares on a 16-bit grid, model lr 0.5
 
 
 def _mode() -> str:
@@ -40,13 +41,39 @@ def test_the_same_run_twice_gives_the_same_bits(key):
     assert again == behaviour.run(key)
 
 
-def test_a_one_percent_learning_rate_change_fails_the_tolerance_check():
+@pytest.mark.parametrize("config", [PLANTED, QUANTIZED])
+def test_a_one_percent_learning_rate_change_fails_the_tolerance_check(config):
     # What another environment compares: the summary within the recorded tolerances. This run, as the
-    # reference, with the tolerances recorded for it: a real change must not pass them.
-    reference = {**behaviour.run(PLANTED), "tolerance": TABLE["runs"][PLANTED]["tolerance"]}
-    planted = behaviour.fresh_run_config(PLANTED, ("--model.init_args.lr", repr(0.5 * 1.01)))
+    # reference, with the tolerances recorded for it: a real change must not pass them -- also where the
+    # mechanism rounds to integers, whose tolerances take an integer flipped and skip the coordinates.
+    reference = {**behaviour.run(config), "tolerance": TABLE["runs"][config]["tolerance"]}
+    planted = behaviour.fresh_run_config(config, ("--model.init_args.lr", repr(0.5 * 1.01)))
     found = behaviour.differences(reference, planted, exact=False)
-    assert len(found) >= 3 and all(not f.startswith("epsilon") for f in found), found
+    assert len(found) >= 3 and all(not f.startswith(("epsilon", "coordinate")) or config == PLANTED
+                                   for f in found), found
+
+
+def test_a_quantizing_run_is_compared_without_its_coordinates():
+    assert TABLE["runs"][QUANTIZED]["quantized"] and not TABLE["runs"][PLANTED]["quantized"]
+    recorded = {**_record(), "quantized": True}
+    moved = copy.deepcopy(recorded)
+    moved["model"]["coordinates"]["1"] += 1e-3  # a flipped integer in one coordinate's path
+    assert behaviour.differences(recorded, moved, exact=False) == []
+    assert behaviour.differences({**recorded, "quantized": False}, moved, exact=False)
+    assert behaviour.differences(recorded, _record(1 + 1e-4), exact=False)  # the norms still compare
+
+
+def test_the_calibration_covers_the_kernel_paths_below_this_cpu_and_a_perturbed_start():
+    import torch
+
+    names = [name for name, _, _ in behaviour.calibrations()]
+    assert names[-1].startswith("initial model") and behaviour.PERTURBATION >= 1e-6
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        assert "ATEN_CPU_CAPABILITY=default" in names
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert "ATEN_CPU_CAPABILITY=avx2" in names
+    moved = behaviour.fresh_run_config(PLANTED, perturb=behaviour.PERTURBATION)
+    assert moved["sha256"] != behaviour.run(PLANTED)["sha256"]  # the perturbation reaches the model
 
 
 def _record(scale=1.0, epsilon=0.6474445662179724, moved=1.0):

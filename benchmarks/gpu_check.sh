@@ -11,6 +11,10 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+# one machine: the ranks meet on the loopback interface (a container's hostname may resolve to an
+# address its processes cannot connect to)
+export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} \
+    NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 py=${GPU_CHECK_PYTHON:-python3}
 wheels=${GPU_CHECK_WHEELS:-.whl}
 site=${GPU_CHECK_SITE:-/tmp/site}
@@ -19,8 +23,7 @@ if ! "$py" -m pip --version >/dev/null 2>&1; then  # no pip: unpack the wheels (
     pip_install() {
         "$py" - "$@" <<'PY'
 import glob, os, shutil, stat, sys, zipfile
-args = sys.argv[1:]
-kind, dest, wheels = args[0], args[1], args[2:]
+dest, wheels = sys.argv[2], sys.argv[3:]  # after --target or --prefix
 for whl in wheels:
     zipfile.ZipFile(whl).extractall(dest)
 for data in glob.glob(os.path.join(dest, "*.data", "data")):  # the MPICH wheel's bin/ and lib/
@@ -35,14 +38,16 @@ fi
 if compgen -G "$wheels/*.whl" >/dev/null; then
     start=$SECONDS
     others=$(ls "$wheels"/*.whl | grep -v '/mpich-')
-    [ -n "$others" ] && pip_install --target "$site" $others
+    if [ -n "$others" ] && ! pip_install --target "$site" $others; then  # one at a time: a bad wheel costs only itself
+        for w in $others; do pip_install --target "$site" "$w" || echo "gpu_check.sh: could not install $w"; done
+    fi
     mpich=$(ls "$wheels"/mpich-*.whl 2>/dev/null | head -1)
     if [ -n "$mpich" ]; then  # --target drops a wheel's data lib/ (libmpi.so.12); a prefix keeps bin/ and lib/
         pip_install --prefix "$site-mpich" "$mpich"
         export PATH="$site-mpich/bin:$PATH" MPI4PY_LIBMPI="$site-mpich/lib/libmpi.so.12"
     fi
     export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    echo "installed $(ls "$wheels"/*.whl | wc -l) wheels from $wheels in $((SECONDS - start)) s"
+    echo "the $(ls "$wheels"/*.whl | wc -l) wheels of $wheels: installed in $((SECONDS - start)) s"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi

@@ -79,12 +79,13 @@ def _buffer_refusal(names: list[str]) -> ConfigError:
                        "of a vectorised chunk share", "use executor='sequential'")
 
 
-def _synthetic_batch(data, batch_size: int) -> tuple[torch.Tensor, ...]:
+def _synthetic_batch(data, batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Two clients' batches of ``batch_size`` synthetic records with the data's shapes and types
-    (standard normal floats, zero integers: valid class labels and token ids), from a fixed seed."""
+    (standard normal floats, zero integers: valid class labels and token ids), from a fixed seed, on
+    ``device`` (the parameters')."""
     generator = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(2, batch_size, *t.shape[1:], generator=generator, dtype=t.dtype)
-                 if t.is_floating_point() else torch.zeros(2, batch_size, *t.shape[1:], dtype=t.dtype)
+    return tuple((torch.randn(2, batch_size, *t.shape[1:], generator=generator, dtype=t.dtype)
+                  if t.is_floating_point() else torch.zeros(2, batch_size, *t.shape[1:], dtype=t.dtype)).to(device)
                  for t in data.in_memory_tensors)
 
 
@@ -206,7 +207,7 @@ class VmapExecutor(Executor):
 
     def _inexact(self, module, data, batch_size: int) -> str | None:
         """Why one vectorised step is not bit-equal to the unvectorised one (see :meth:`refusal`), or ``None``."""
-        batch = _synthetic_batch(data, batch_size)
+        batch = _synthetic_batch(data, batch_size, self._params[0].device)
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
         one = torch.func.grad_and_value(self._loss, has_aux=True)
         try:
@@ -230,7 +231,7 @@ class VmapExecutor(Executor):
         reason, instead of failing at the first step."""
         held = [(sub, attr, p) for sub in module.inner.modules() for attr, p in sub._parameters.items()]  # noqa: SLF001
         buffers = self._buffer_state()
-        batch = _synthetic_batch(data, 2)
+        batch = _synthetic_batch(data, 2, self._params[0].device)
         params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in zip(self._names, self._params)}
         try:
             self._fn(params, batch)  # in the modes the user gave the submodules, as training runs

@@ -300,10 +300,11 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
         noise = gen.next(self._round_scale)
         del self.scales[t:]
         self.scales.append(self._round_scale)
+        noise = noise.to(device=x.device, dtype=x.dtype)  # drawn on the CPU (keyed streams), added where x is
         if mask is None:
-            x.add_(noise.to(x.dtype))
+            x.add_(noise)
         else:
-            x[mask] += noise.to(x.dtype)
+            x[mask] += noise
 
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         t = server.round_idx

@@ -117,12 +117,18 @@ def run(algorithm: str, sigma_g: float, K: int, rounds: int, l: float, s: float,
     return statistics.mean(h["val_acc"] for h in trainer.history[-tail:])
 
 
+def seeds_of(args) -> list[int]:
+    """The seeds a study runs: `--seeds` of them from `--first_seed`."""
+    return list(range(args.first_seed, args.first_seed + args.seeds))
+
+
 def compare(args) -> None:
+    seeds = seeds_of(args)
     print(f"synthetic({args.alpha:g}, {args.beta:g}), M={M}, R={R}, l=s=0.2, sigma_g=60 (z=120), K=50, "
-          f"T={args.rounds} (paper: 400), eta_l = {args.eta0:g}/(sK); test accuracy over {args.seeds} seeds")
+          f"T={args.rounds} (paper: 400), eta_l = {args.eta0:g}/(sK); test accuracy over seeds {seeds[0]}..{seeds[-1]}")
     for alg in ("dp_fedavg", "dp_scaffold_warm"):
         accs = [run(alg, 60.0, 50, args.rounds, 0.2, 0.2, args.eta0, seed, args.alpha, args.beta)
-                for seed in range(args.seeds)]
+                for seed in seeds]
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         print(f"{alg:<18}{statistics.mean(accs):.3f} +- {sd:.3f}   {['%.3f' % a for a in accs]}", flush=True)
 
@@ -137,7 +143,7 @@ def table1(args) -> None:
         for k in ks:
             t0 = time.perf_counter()
             accs = [run("dp_scaffold_warm", 40.0, k, ts[k], 0.05, 0.2, args.eta0, seed, args.alpha, args.beta, reading)
-                    for seed in range(args.first_seed, args.first_seed + args.seeds)] if ts[k] > 1 else []
+                    for seed in seeds_of(args)] if ts[k] > 1 else []
             mean = statistics.mean(accs) if accs else float("nan")
             sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
             print(f"{reading:<6} K={k:<3} T={ts[k]:<4} accuracy {mean:.3f} +- {sd:.3f}   {['%.3f' % a for a in accs]}"

@@ -238,3 +238,27 @@ def test_dp_scaffold_synthetic_config_uses_the_papers_sigma_g():
     assert config["trainer"]["algorithm"]["class_path"] == "dpfl_lightning.algorithms.DPSCAFFOLD"
     assert args["noise_multiplier"] == 2 * 60
     assert config["trainer"]["batch_size"] / config["data"]["init_args"]["samples_per_client"] == 0.2  # s
+
+
+def _scaffold_benchmark():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "paper001_scaffold.py"
+    spec = importlib.util.spec_from_file_location("paper001_scaffold_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("study", ["compare", "table1"])
+def test_the_scaffold_benchmark_runs_the_seeds_from_first_seed(study, monkeypatch, capsys):
+    """`--first_seed 7 --seeds 2` trains seeds 7 and 8 in both studies (compare ran 0..n-1)."""
+    import argparse
+    bench = _scaffold_benchmark()
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda *a, **k: seen.append(a[7]) or 0.5)
+    args = argparse.Namespace(study=study, seeds=2, first_seed=7, rounds=3, eta0=1.0, alpha=5.0, beta=5.0,
+                              reading="short", ks=[1])
+    (bench.compare if study == "compare" else bench.table1)(args)
+    assert seen and set(seen) == {7, 8}, seen
+    if study == "compare":
+        assert "seeds 7..8" in capsys.readouterr().out

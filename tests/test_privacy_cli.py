@@ -60,3 +60,14 @@ def test_plan_refuses_a_delta_that_publishes_a_record(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--delta=0.5" in err and "Fix:" in err
+
+
+def test_plan_selection_says_the_delta_its_table_is_at(capsys):
+    """The header named the run's own delta while the table is at --delta: both are named, the
+    requested one as the table's."""
+    cli.main(["privacy", "plan", "--selection", QUICKSTART, "--delta", "1e-7", "--means", "[1,2]"])
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert "at --delta=1e-07" in header and "epsilon at delta=1e-07" in out
+    own = re.search(r"the run's own ledger is at delta=([0-9.e-]+)", header)
+    assert own and float(own.group(1)) != 1e-7

@@ -107,7 +107,8 @@ def _plan_selection(cfg: Any) -> None:
     one = max(planned.trials, key=lambda t: float(t.rdp().max()))  # a run of several profiles: its worst
     rows = selection_plan(one, cfg.delta, cfg.distribution, cfg.shape, cfg.means,
                           cfg.accountant)
-    print(f"{cfg.selection}: {planned.describe()}")
+    own = "" if planned.delta == cfg.delta else f" (the run's own ledger is at delta={planned.delta:g})"
+    print(f"{cfg.selection}: {planned.granularity}-level, {planned.audience}, at --delta={cfg.delta:g}{own}")
     print(format_plan(rows, cfg.delta, cfg.distribution))
 
 

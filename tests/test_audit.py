@@ -241,3 +241,34 @@ def test_dpfl_audit_many_runs(tmp_path, capsys):
     assert exit_info.value.code == 5  # 4 runs per world cannot reach the ledger's epsilon: nothing is trained
     out = capsys.readouterr().out
     assert "this audit cannot detect a violation here" in out and "--trials" in out
+
+
+def _readme_audit_commands() -> list[list[str]]:
+    import os
+    import shlex
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    block = readme.split("## Auditing a configuration", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.strip().splitlines() if line.startswith("dpfl audit")]
+    return [[w for w in shlex.split(line.split("[", 1)[0])[1:]] for line in lines]
+
+
+def test_the_readmes_audit_examples_exit_as_the_readme_says(tmp_path, capsys, monkeypatch):
+    """The README's first example exits 5 (the ledger is out of the canaries' reach) and says what
+    would reach it; its second, the same run cut to 20 rounds, exits 0 with the canary test able to
+    refute (not 'cannot'). Both as the README's text next to them says."""
+    import os
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    first, second = _readme_audit_commands()
+    fast = ["--trainer.enable_progress_bar", "false", "--trainer.num_threads", "1", "--trainer.loggers", "[]",
+            "--trainer.log_dir", str(tmp_path)]
+    codes, outs = [], []
+    for args in (first, second):
+        try:
+            cli.main([*args, *fast])
+            codes.append(0)
+        except SystemExit as e:
+            codes.append(e.code)
+        outs.append(capsys.readouterr().out)
+    assert codes == [5, 0], codes
+    assert "this audit cannot detect a violation here" in outs[0] and "settings that would:" in outs[0]
+    assert "not refuted" in outs[1] and "cannot" not in outs[1]

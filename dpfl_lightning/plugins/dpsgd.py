@@ -8,7 +8,11 @@ module's own ``training_step`` keeps running unchanged (Opacus's hooks sit on th
 Only the parameters trainable at a step take part in it, as with plain Opacus: a record's gradient
 norm that is clipped is over them, the noise is added to them, and a frozen parameter
 (``requires_grad=False``: a LoRA model's base weights and tied head, a frozen BatchNorm) gets no
-per-record gradient, no noise and no step.
+per-record gradient, no noise and no step. Opacus takes row ``i`` of a hooked layer's input for
+record ``i``: a layer run on other rows -- a row that the whole batch shares, as GPT-2's position
+embedding on its default position ids of shape ``(1, T)``, or records flattened into rows -- is
+refused at the first step it does so, before that step changes anything, with the layer's name and
+the fix (position ids expanded to the batch).
 
 Sensitivity and threat model: neighbouring datasets differ in one record of one client
 (add/remove for Poisson batches, replace-one for fixed-size batches). The clipped sum of a batch

@@ -81,6 +81,40 @@ class AliasedInsideAWholeLayer(TinyClassifier):  # a child of such a layer, also
         self.first = self.net[0].lin
 
 
+class PositionalEmbedding(TinyClassifier):
+    """GPT-2's input layer in miniature: token embeddings plus a learned position embedding ``pos``
+    on position ids ``arange(T)``, then a linear head on the mean over positions. ``positions``:
+    ``"shared"``, the ids of shape ``(1, T)`` that the batch shares (GPT-2's default); ``"expanded"``,
+    the same ids expanded to ``(B, T)``; ``"mixed"``, the shared ids and ``pos`` run again on
+    per-record ids (the record's tokens); ``"flattened"``, expanded ids and the head run on the
+    ``B * T`` positions as rows (tokens as records)."""
+
+    def __init__(self, positions: str = "shared", length: int = 5, vocab: int = 10, d: int = 8):
+        super().__init__()
+        del self.net
+        torch.manual_seed(0)
+        self.positions, self.length, self.vocab = positions, length, vocab
+        self.tok, self.pos, self.head = nn.Embedding(vocab, d), nn.Embedding(length, d), nn.Linear(d, 10)
+
+    def forward(self, x):
+        tokens = (x[:, : self.length].abs() * 3).long().clamp(max=self.vocab - 1)  # (B, T) of 10 "tokens"
+        B, T = tokens.shape
+        ids = torch.arange(T, device=x.device)[None]
+        if self.positions in ("expanded", "flattened"):
+            ids = ids.expand(B, T)
+        h = torch.tanh(self.tok(tokens) + self.pos(ids))
+        if self.positions == "mixed":
+            h = h + self.pos(tokens.clamp(max=T - 1))
+        if self.positions == "flattened":
+            return self.head(h.reshape(B * T, -1)).view(B, T, -1).mean(1)
+        return self.head(h.mean(1))
+
+
+class ExpandedPositions(PositionalEmbedding):
+    def __init__(self):
+        super().__init__("expanded")
+
+
 def tiny_data(num_clients: int = 20, samples: int = 12, dim: int = 10, seed: int = 0, **kw) -> SyntheticLogistic:
     return SyntheticLogistic(num_clients=num_clients, samples_per_client=samples, test_samples_per_client=4,
                              dim=dim, seed=seed, **kw)

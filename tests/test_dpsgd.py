@@ -1,5 +1,5 @@
 """DP-SGD inside clients (Opacus): per-record gradients, clipping, noise scale, accounting, models
-Opacus cannot handle, empty Poisson batches."""
+Opacus cannot handle (layers run on rows that are not the batch's records), empty Poisson batches."""
 
 import math
 
@@ -16,7 +16,8 @@ from dpfl_lightning.plugins import DPSGD
 from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.federated.releases import MetricRelease
 from dpfl_lightning.plugins import PrivacyLedger
-from helpers import AliasedInsideAWholeLayer, AliasedLayer, TiedAndAliased, TiedWeights, TinyClassifier, quiet_trainer, tiny_data
+from helpers import (AliasedInsideAWholeLayer, AliasedLayer, ExpandedPositions, PositionalEmbedding, TiedAndAliased,
+                     TiedWeights, TinyClassifier, quiet_trainer, tiny_data)
 
 
 def keeping_batches(model_class):
@@ -43,8 +44,10 @@ class GradSampleSpy(FederatedCallback):
                           [t.clone() for t in model.last_batch], [p.detach().clone() for p in model.parameters()]))
 
 
-# shared parameters: a layer under two names is hooked once; a weight in two layers gets both parts
-@pytest.mark.parametrize("model", [TinyClassifier, AliasedLayer, TiedWeights, TiedAndAliased, AliasedInsideAWholeLayer])
+# shared parameters: a layer under two names is hooked once; a weight in two layers gets both parts;
+# a position embedding on position ids expanded to the batch (GPT-2's wpe, as DP-SGD needs it)
+@pytest.mark.parametrize("model", [TinyClassifier, AliasedLayer, TiedWeights, TiedAndAliased, AliasedInsideAWholeLayer,
+                                   ExpandedPositions])
 def test_per_record_gradients_equal_a_per_example_loop(log_dir, model):
     spy = GradSampleSpy()
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=5, local_steps=2,
@@ -393,3 +396,78 @@ def test_a_layer_opacus_cannot_handle_unfrozen_later_is_refused_before_its_step(
                                           "compute per-record gradients for.*MultiheadAttention"):
         trainer.fit(model, tiny_data())
     assert len(trainer.history) == 1
+
+
+# ---------------------------------------------------------------------------------------- rows that are not records
+class StepCounter(FederatedCallback):
+    """Counts the local steps that got past DPSGD's checks (it runs after DPSGD)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_before_optimizer_step(self, *, client, optimizer):
+        self.steps += 1
+
+
+SHARED_ROW = r"fewer rows than the batch has records .*position ids of shape \(1, T\).*max_grad_norm"
+EXPAND_FIX = r"Fix: .*position_ids=torch\.arange\(T\)\.expand\(B, T\)"
+
+
+@pytest.mark.parametrize("positions", ["shared", "mixed"])
+def test_a_layer_run_on_a_row_the_batch_shares_is_refused_at_the_first_step_with_the_fix(log_dir, positions):
+    """``shared``: GPT-2's position embedding on ids of shape (1, T), which crashed at the first step in
+    Opacus's clipping (``stack expects each tensor to be equal size``); ``mixed``: the layer also runs on
+    the batch, which trained without error on per-record gradients that gave the first record the whole
+    batch's gradient of the shared row."""
+    counter = StepCounter()
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=5,
+                            plugins=[DPSGD(noise_multiplier=0.5), counter])
+    with pytest.raises(ConfigError, match=rf"^DPSGD=\['pos'\]: .*{SHARED_ROW}.*{EXPAND_FIX}") as err:
+        trainer.fit(PositionalEmbedding(positions), tiny_data(num_clients=4, samples=20))
+    assert counter.steps == 0  # refused before the first step changed anything
+    assert "\n" not in str(err.value) and "stack expects" in str(err.value)
+
+
+def test_a_layer_run_on_records_flattened_into_rows_is_refused(log_dir):
+    with pytest.raises(ConfigError, match=r"^DPSGD=\['head'\]: .*more rows than the batch has records.*Fix: keep one "
+                                          r"row per record on the first dimension"):
+        quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=5, plugins=[DPSGD(noise_multiplier=0.5)]).fit(
+            PositionalEmbedding("flattened"), tiny_data(num_clients=4, samples=20))
+
+
+def test_expanded_position_ids_train_under_dpsgd(log_dir):
+    counter = StepCounter()
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=5, local_steps=3,
+                            plugins=[DPSGD(noise_multiplier=0.5), counter])
+    model = ExpandedPositions()
+    before = model.pos.weight.detach().clone()
+    trainer.fit(model, tiny_data(num_clients=4, samples=20))
+    assert counter.steps == 2 * 2 * 3
+    assert not torch.equal(model.pos.weight, before) and math.isfinite(trainer.history[-1]["my_val_loss"])
+
+
+class PackedLSTM(TinyClassifier):
+    """Token embeddings, an LSTM on packed sequences of 1 to 5 steps, a head on the last hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        del self.net
+        torch.manual_seed(0)
+        self.tok, self.lstm, self.head = nn.Embedding(10, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 10)
+
+    def forward(self, x):
+        tokens = (x[:, :5].abs() * 3).long().clamp(max=9)
+        lengths = 1 + (x[:, 5].abs() * 3).long().clamp(max=4)
+        packed = nn.utils.rnn.pack_padded_sequence(self.tok(tokens), lengths, batch_first=True, enforce_sorted=False)
+        return self.head(self.lstm(packed)[1][0][-1])
+
+
+def test_opacus_lstm_cells_on_fewer_records_at_later_time_steps_train(log_dir):
+    """Opacus's DPLSTM runs its cells once per time step, on the records still running (fewer at the
+    later steps of a packed batch): rows that are records, which DPSGD's row check leaves to Opacus."""
+    counter = StepCounter()
+    trainer = quiet_trainer(log_dir, rounds=2, clients_per_round=2, batch_size=6,
+                            plugins=[DPSGD(noise_multiplier=0.5, fix_model=True), counter])
+    with pytest.warns(UserWarning, match="lstm: LSTM -> DPLSTM"):
+        trainer.fit(PackedLSTM(), tiny_data(num_clients=4, samples=20))
+    assert counter.steps == 2 * 2 * 4 and math.isfinite(trainer.history[-1]["my_val_loss"])

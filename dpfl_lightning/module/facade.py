@@ -209,6 +209,12 @@ class FederatedLightningModule:
 
     # ------------------------------------------------------------------ what the module is
     @property
+    def batch_records(self) -> int:
+        """The number of records in the batch being trained (or evaluated) now: the first dimension of
+        its first tensor, as the local loop counts it (:func:`~dpfl_lightning.module.batches.batch_size_of`)."""
+        return self.logged.current_batch_size
+
+    @property
     def automatic_optimization(self) -> bool:
         return self.client_loop.automatic
 

@@ -8,7 +8,11 @@ module's own ``training_step`` keeps running unchanged (Opacus's hooks sit on th
 Only the parameters trainable at a step take part in it, as with plain Opacus: a record's gradient
 norm that is clipped is over them, the noise is added to them, and a frozen parameter
 (``requires_grad=False``: a LoRA model's base weights and tied head, a frozen BatchNorm) gets no
-per-record gradient, no noise and no step.
+per-record gradient, no noise and no step. Opacus takes row ``i`` of a hooked layer's input for
+record ``i``: a layer run on other rows -- a row that the whole batch shares, as GPT-2's position
+embedding on its default position ids of shape ``(1, T)``, or records flattened into rows -- is
+refused at the first step it does so, before that step changes anything, with the layer's name and
+the fix (position ids expanded to the batch).
 
 Sensitivity and threat model: neighbouring datasets differ in one record of one client
 (add/remove for Poisson batches, replace-one for fixed-size batches). The clipped sum of a batch
@@ -118,6 +122,7 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         self._fixes: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []  # (name, the user's layer, its replacement)
         self._outer_error: BaseException | None = None
         self._grad_sample_module = None
+        self._module = None
         self._coverage_checked = False
         self._trainable: tuple[bool, ...] | None = None
         self._profiles: tuple[RecordProfile, ...] = ()
@@ -207,6 +212,7 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         if ctx.is_global_zero:  # (calibrated by now: a target's warning names the target and the std it gave)
             self.warn_if_useless("DPSGD", self.noise_multiplier, self.max_grad_norm, "raise target_epsilon (or "
                                  "delta), use larger batches or fewer local steps, or train fewer rounds")
+        self._module = ctx.module  # (its batch_records: the records of the batch each step trains on)
         if ctx.model is not None and self._grad_sample_module is None:
             # Hooks on the layers: the module's own training_step computes per-record gradients. Set
             # here, not in setup, so that a run failing during set-up leaves no hooks on the model.
@@ -244,7 +250,9 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         changed (a layer unfrozen in a later round): every trainable parameter must have per-record
         gradients, from a layer Opacus supports. Opacus computes them per layer; a parameter used
         outside its layers' forward (say, a temperature multiplied in ``training_step``) would silently
-        get noise only."""
+        get noise only. At every step, before the check: every hooked call must have run on the
+        batch's records (:meth:`_check_rows`)."""
+        self._check_rows()
         trainable = tuple(p.requires_grad for p in client.model.parameters())
         if trainable != self._trainable:
             self._trainable, self._coverage_checked = trainable, False
@@ -268,6 +276,44 @@ class DPSGD(CalibratedNoise, FederatedCallback):
             raise ConfigError("DPSGD", missing, "Opacus computes no per-record gradients for these parameters "
                               "(used outside a supported layer's forward), so DP-SGD would train them on noise only",
                               "compute them inside a module Opacus supports, or freeze them (requires_grad=False)")
+
+    def _check_rows(self) -> None:
+        """Every call of a layer Opacus hooked must have run on one row per record of the batch: Opacus
+        takes row ``i`` of its input and output gradient for record ``i``. A layer run on a row that
+        every record shares (GPT-2's position embedding ``wpe`` on position ids of shape ``(1, T)``,
+        broadcast over the batch) gets per-record gradients of one row, which fail to stack with the
+        others (Opacus's ``stack expects each tensor to be equal size`` at the step); one run both on
+        the batch and on a shared row gets the shared row's gradient, which every record's loss
+        reaches, added to the first record's, so a record's effect is not bounded by ``C``; a layer
+        run on records flattened into rows (tokens) would clip each row as a record. Checked before
+        the step changes anything; the message names the layers, not the batch's size (a client's)."""
+        if self._grad_sample_module is None or self._module is None:
+            return
+        rows, n = self._grad_sample_module.take_rows(), self._module.batch_records
+        odd = {name: r for name, r in rows.items() if r != {n}}
+        if not odd:
+            return
+        shared = [name for name, r in odd.items() if any(k < n or n == 0 for k in r)]
+        flat = [name for name in odd if name not in shared]
+        problems, fixes = [], []
+        if shared:
+            problems.append(f"{shared} ran on fewer rows than the batch has records (such as a row that every "
+                            "record shares: position ids of shape (1, T) broadcast over the batch), whose gradient "
+                            "Opacus cannot split by record: its per-record gradients fail to stack with the "
+                            "others' ('stack expects each tensor to be equal size'), or, for a layer that also "
+                            "ran on the batch, are added to the first record's, beyond the bound max_grad_norm")
+            fixes.append("call such a layer on one row per record: pass position ids expanded to the batch, "
+                         "position_ids=torch.arange(T).expand(B, T), in the model's forward (a Hugging Face "
+                         "model: model(input_ids, position_ids=...)), or freeze the layer (requires_grad=False)")
+        if flat:
+            problems.append(f"{flat} ran on more rows than the batch has records (records flattened into rows, as "
+                            "tokens), so Opacus would clip every row as a record and a record's gradient would "
+                            "be bounded only by max_grad_norm times its rows")
+            fixes.append("keep one row per record on the first dimension (Opacus's layers take (B, T, ...) inputs) "
+                         "instead of reshaping to (B * T, ...)")
+        raise ConfigError("DPSGD", list(odd), "DP-SGD needs every trainable layer's "
+                          "per-record gradients, and Opacus takes row i of a layer's input for record i, but "
+                          + "; ".join(problems), "; ".join(fixes))
 
     def wrap_optimizer(self, *, client, optimizer: torch.optim.Optimizer):
         n = client.num_samples
@@ -305,6 +351,7 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         if self._grad_sample_module is not None:
             self._grad_sample_module.cleanup()  # remove Opacus hooks and attributes from the model
             self._grad_sample_module = None
+        self._module = None
         failing = sys.exc_info()[1]  # on_fit_end runs on the way out of a failed round too
         if failing is not None and failing is not self._outer_error:
             self._put_back_layers(ctx)

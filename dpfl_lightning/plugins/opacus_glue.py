@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch
 from opacus import GradSampleModule
 from opacus.grad_sample.functorch import prepare_layer
-from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN
+from opacus.layers.dp_rnn import DPGRU, DPLSTM, DPRNN, RNNLinear
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.module_utils import has_trainable_params, trainable_modules
@@ -63,10 +63,16 @@ class GradSamples(GradSampleModule):
     activation or residual after a trainable layer (``nn.ReLU(inplace=True)``, ``out += identity``:
     torchvision's ResNets) failed at its first step. A hook on the output tensor receives the same
     gradient (the loss's gradient with respect to the layer's output, as computed before any later
-    in-place change of that tensor), and leaves the output an ordinary tensor."""
+    in-place change of that tensor), and leaves the output an ordinary tensor.
+
+    Rows: Opacus takes row ``i`` of every hooked call's input and output gradient for record ``i``.
+    Each call's row counts are kept (:meth:`take_rows`) for DP-SGD to hold against the batch's
+    records; an Opacus RNN's cells (``RNNLinear``), which run once per time step on that step's
+    records (fewer for a packed sequence's later steps), are left out."""
 
     def __init__(self, m: torch.nn.Module, **kwargs: Any) -> None:
         super().__init__(m, **kwargs)
+        self._rows: dict[int, set[int]] = {}  # id(layer) -> the row counts of its calls since take_rows
         for p in m.parameters():  # what Opacus sets on trainable parameters only
             if not hasattr(p, "_forward_counter"):
                 p.grad_sample = None
@@ -111,13 +117,27 @@ class GradSamples(GradSampleModule):
         out.register_hook(partial(self._backprops, layer))
 
     def _backprops(self, layer: torch.nn.Module, grad: torch.Tensor) -> None:
-        """The loss's gradient with respect to one call's output of ``layer``: Opacus's backward capture."""
+        """The loss's gradient with respect to one call's output of ``layer``: Opacus's backward capture,
+        after the call's rows are counted (of the input Opacus pops now, as it counts them, and of the
+        gradient)."""
+        if self.hooks_enabled and type(layer) is not RNNLinear:
+            activations = getattr(layer, "activations", None)
+            counted = (activations[-1][-1] if activations and activations[-1] else None, grad)
+            self._rows.setdefault(id(layer), set()).update(t.shape[0] for t in counted
+                                                           if isinstance(t, torch.Tensor) and t.dim())
         self.capture_backprops_hook(layer, (), (grad,), loss_reduction=self.loss_reduction,
                                     batch_first=self.batch_first)
+
+    def take_rows(self) -> dict[str, set[int]]:
+        """The row counts of every hooked layer's calls whose gradients were captured since the last
+        call, by the layer's name (in the model's order), and forgets them."""
+        rows, self._rows = self._rows, {}
+        return {name or type(m).__name__: rows[id(m)] for name, m in self._module.named_modules() if id(m) in rows}
 
     def cleanup(self) -> None:
         """Opacus's cleanup, and what its hooks leave on every layer (not only the trainable ones)."""
         super().cleanup()
+        self._rows = {}
         for m in self._module.modules():
             for attr in ("activations", "max_batch_len", "ft_compute_sample_grad"):
                 if attr in m.__dict__:

@@ -71,3 +71,31 @@ def test_plan_selection_says_the_delta_its_table_is_at(capsys):
     assert "at --delta=1e-07" in header and "epsilon at delta=1e-07" in out
     own = re.search(r"the run's own ledger is at delta=([0-9.e-]+)", header)
     assert own and float(own.group(1)) != 1e-7
+
+
+SIMULATED_SHARES = ("towards the server (simulation: the noise shares and any SecAgg masks are keyed by the logged "
+                    "seed, so anyone with the seed rebuilds every share and mask: they are hidden only from someone "
+                    "without the seed; the server knows who took part)")
+SECURE_SHARES = "towards the server (secure aggregation hides the shares; the server knows who took part)"
+
+
+@pytest.mark.parametrize("config", ["ddp_quickstart.yaml", "ddp_skellam_quickstart.yaml"])
+def test_ddp_privacy_line_says_what_hides_the_shares_in_each_mode(config, capsys):
+    """In a simulation the SecAgg secrets and the noise are keyed by the logged seed: the line towards the
+    server says so; in secure mode (CSPRNG, unlogged secret) secure aggregation hides the shares."""
+    path = os.path.join(ROOT, "configs", config)
+    lines = {}
+    for secure in ("false", "true"):
+        cli.main(["privacy", "epsilon", "--config", path, "--trainer.secure", secure])
+        lines[secure] = next(x for x in capsys.readouterr().out.splitlines() if "towards the server" in x)
+    assert SIMULATED_SHARES in lines["false"] and "hides the shares" not in lines["false"]
+    assert SECURE_SHARES in lines["true"] and "seed" not in lines["true"]
+
+
+def test_a_simulated_ddp_fit_prints_the_simulation_line(tmp_path, capfd):
+    cli.main(["fit", "--config", os.path.join(ROOT, "configs", "ddp_quickstart.yaml"), "--trainer.rounds", "1",
+              "--trainer.enable_progress_bar", "false", "--trainer.num_threads", "1", "--trainer.loggers", "[]",
+              "--trainer.test_after_fit", "false", "--trainer.log_dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("privacy: ") and "towards the server" in x]
+    assert SIMULATED_SHARES in line and "hides the shares" not in line

@@ -14,8 +14,8 @@ from scipy import stats
 
 from dpfl_lightning import rng
 from dpfl_lightning.comm import shamir
-from dpfl_lightning.comm.secagg import (Reveal, SecAggRound, TooFewSurvivorsError, mod_sum,
-                                        simulate_dropouts)
+from dpfl_lightning.comm.secagg import (Reveal, SecAggRound, TooFewSurvivorsError, UnmaskingRefusedError, agree,
+                                        mod_sum, prg_words, simulate_dropouts)
 from dpfl_lightning.errors import ConfigError
 
 
@@ -85,36 +85,35 @@ def test_dropouts_recover_survivors_sum_complete_graph(n, t):
     bits, d = 20, 64
     cohort = list(range(n))
     rows = rows_for(cohort, d, seed=1)
-    r = SecAggRound(cohort, bits, d, 2, rng.RandomSource(9), threshold=t)
-    masked = {c: r.mask(c, rows[c]) for c in cohort}
     pick = random.Random(0)
-    for n_drop in range(1, n - t + 1):
+    for n_drop in range(1, n - t + 1):  # one dropout pattern per round (a round is unmasked once)
+        r = SecAggRound(cohort, bits, d, 2 + n_drop, rng.RandomSource(9), threshold=t)
         dropped = sorted(pick.sample(cohort, n_drop))
         survivors = [c for c in cohort if c not in dropped]
-        total = mod_sum(torch.stack([masked[c] for c in survivors]), bits)
+        total = masked_sum(r, rows, survivors, bits)
         assert torch.equal(r.unmask(total, survivors, dropped), expected_sum(rows, survivors, bits)), n_drop
+    r = SecAggRound(cohort, bits, d, 2, rng.RandomSource(9), threshold=t)
     dropped = cohort[: n - t + 1]  # t - 1 survivors
     survivors = cohort[n - t + 1 :]
     with pytest.raises(TooFewSurvivorsError, match="secagg.threshold"):
-        r.unmask(mod_sum(torch.stack([masked[c] for c in survivors]), bits), survivors, dropped)
+        r.unmask(masked_sum(r, rows, survivors, bits), survivors, dropped)
 
 
 def test_dropouts_k_regular_graph_recover_or_refuse():
     bits, d, n, k, t = 16, 32, 20, 6, 4
     cohort = list(range(100, 100 + n))
     rows = rows_for(cohort, d, seed=2)
-    r = SecAggRound(cohort, bits, d, 0, rng.RandomSource(5), neighbours=k, threshold=t)
-    masked = {c: r.mask(c, rows[c]) for c in cohort}
     pick = random.Random(1)
     outcomes = set()
-    for trial in range(30):
+    for trial in range(30):  # one dropout pattern per round (a round is unmasked once)
+        r = SecAggRound(cohort, bits, d, trial, rng.RandomSource(5), neighbours=k, threshold=t)
         dropped = sorted(pick.sample(cohort, 1 + trial % 8))
         survivors = [c for c in cohort if c not in dropped]
         # the server needs t surviving holders of each survivor's b, and of each dropped client's sk
         # when that client has a surviving neighbour
         needed = [c for c in cohort if c in survivors or any(v in survivors for v in r.graph.neighbours(c))]
         ok = all(sum(h in survivors for h in r.graph.holders(c)) >= t for c in needed)
-        total = mod_sum(torch.stack([masked[c] for c in survivors]), bits)
+        total = masked_sum(r, rows, survivors, bits)
         if ok:
             assert torch.equal(r.unmask(total, survivors, dropped), expected_sum(rows, survivors, bits))
         else:
@@ -151,6 +150,102 @@ def test_simulated_dropouts_are_keyed_by_round_and_client():
     sub = cohort[::-3]  # another cohort, another order: each client's fate is its own
     assert set(simulate_dropouts(sub, 0.1, 7, src)[1]) == set(dropped) & set(sub)
     assert set(simulate_dropouts(cohort, 0.1, 8, src)[1]) != set(dropped)
+
+
+# ------------------------------------------------------------------------------- double unmasking
+def strip_pairwise_masks(r, late_row, owner, private_key, bits):
+    """The server's attempt on a row of ``owner`` that arrived after the round was unmasked: remove its
+    pairwise masks with every neighbour, recomputed from ``owner``'s private key (Python integers)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    sk = X25519PrivateKey.from_private_bytes(private_key)
+    values = [int(v) for v in late_row.tolist()]
+    for v in r.graph.neighbours(owner):
+        mask = prg_words(agree(sk, r.public_keys()[v], r.round_idx, owner, v), len(values))
+        sign = -1 if v > owner else 1  # owner added +PRG(s_uv) for v > owner, -PRG(s_uv) for v < owner
+        values = [x + sign * int(m) for x, m in zip(values, mask)]
+    return [x % (1 << bits) for x in values]
+
+
+def test_double_unmasking_attack_is_refused_and_the_late_row_stays_masked():
+    """Bonawitz et al. 2017, Round 4: the server unmasks with client 0 dropped (getting shares of its
+    private key), then 0's row arrives late and the server asks again with 0 alive, for its self-mask seed."""
+    cohort, d, bits = list(range(6)), 16, 32  # complete graph: 6 holders, t = 4
+    rows = rows_for(cohort, d, seed=4)
+    r = SecAggRound(cohort, bits, d, 3, rng.RandomSource(21))
+    survivors, dropped = cohort[1:], [0]
+    first = r.reveal(survivors, dropped)
+    assert torch.equal(r.unmask(masked_sum(r, rows, survivors, bits), survivors, dropped, first),
+                       expected_sum(rows, survivors, bits))  # the honest round still unmasks
+    late = r.mask(0, rows[0])
+    with pytest.raises(UnmaskingRefusedError, match=r"clients \[0\] that clients \[1, 2, 3, 4, 5\] already treated "
+                       r"as dropped.*Bonawitz et al\. 2017.*Round 4"):
+        r.reveal(cohort, [])
+    with pytest.raises(UnmaskingRefusedError):  # nor through unmask, which asks for the reveals itself
+        r.unmask(mod_sum(torch.stack([r.mask(c, rows[c]) for c in cohort]), bits), cohort, [])
+    # with what the protocol returned -- the private key of 0 -- the late row is still masked by PRG(b_0)
+    shares = [x.share for x in first if x.owner == 0]
+    assert {x.kind for x in first if x.owner == 0} == {"private_key"}
+    guess = strip_pairwise_masks(r, late, 0, shamir.reconstruct(shares, r.threshold), bits)
+    truth = [x % (1 << bits) for x in rows[0].tolist()]
+    assert sum(g == x for g, x in zip(guess, truth)) <= 1  # uniform words: no coordinate recovered (but by chance)
+    # the control: the refused secret was all that stood between the server and the row
+    b0 = prg_words(r.client_secrets(0).self_mask_seed, d)
+    assert [(g - int(m)) % (1 << bits) for g, m in zip(guess, b0)] == truth
+
+
+@pytest.mark.parametrize("first,second,match", [
+    ([0], [], "already treated as dropped"),  # the attack: 0 dropped, then alive
+    ([], [0], "already treated as surviving"),  # the other way round
+    ([0], [0], "second unmasking request"),  # the same request again
+    ([0, 3], [3], "already treated as dropped"),  # 0 brought back with another dropout
+    ([2], [2, 5], "already treated as surviving"),  # 5 dropped after its seed's shares were revealed
+])
+def test_each_client_answers_one_unmasking_request_per_round(first, second, match):
+    cohort = list(range(7))
+    r = SecAggRound(cohort, 16, 4, 0, rng.RandomSource(2))
+    answered = r.reveal([c for c in cohort if c not in first], first)
+    with pytest.raises(UnmaskingRefusedError, match=match):
+        r.reveal([c for c in cohort if c not in second], second)
+    kinds = {}
+    for x in answered:
+        kinds.setdefault(x.owner, set()).add(x.kind)
+    assert all(len(k) == 1 for k in kinds.values()) and set(kinds) == set(cohort)
+    fresh = SecAggRound(cohort, 16, 4, 1, rng.RandomSource(2))  # the next round is a new request
+    again = fresh.reveal([c for c in cohort if c not in second], second)
+    assert {x.kind for x in again} == ({"private_key", "self_mask"} if second else {"self_mask"})
+
+
+def test_holders_split_between_two_requests_never_give_both_secrets_at_a_strict_majority():
+    """Across ranks no signed consistency round is simulated: a server may send holders on different
+    ranks different survivor sets. Every way of splitting client 0's 7 holders between "0 dropped" and
+    "0 survived" gives the server fewer than t shares of one of 0's two secrets at the default
+    (strict-majority) threshold; at t = 3 some split gives it both (why the default is a majority)."""
+    cohort = list(range(7))
+    src = rng.RandomSource(6)
+    for threshold, safe in ((None, True), (3, False)):
+        both = []
+        for told_dropped in itertools.product([False, True], repeat=6):  # holders 1..6; 0 itself survives
+            ranks = [SecAggRound(cohort, 16, 4, 0, src, threshold=threshold, local_clients=[c]) for c in cohort]
+            keys, messages = {}, []
+            for rank in ranks:
+                keys.update(rank.public_keys())
+                messages += rank.shares_to_send()
+            for rank in ranks:
+                rank.add_public_keys(keys)
+                rank.receive_shares(messages)
+            got = {"private_key": [], "self_mask": []}
+            for c, rank in enumerate(ranks):
+                gone = [0] if c and told_dropped[c - 1] else []
+                got_c = rank.reveal([v for v in cohort if v not in gone], gone)
+                for x in got_c:
+                    if x.owner == 0:
+                        got[x.kind].append(x.share)
+            t = ranks[0].threshold
+            if all(len(v) >= t for v in got.values()):
+                assert shamir.reconstruct(got["private_key"], t) == ranks[0].client_secrets(0).private_key
+                both.append(told_dropped)
+        assert (not both) is safe, (threshold, both[:3])
 
 
 # ------------------------------------------------------------------------------- Shamir

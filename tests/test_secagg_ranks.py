@@ -114,6 +114,41 @@ def test_each_rank_holds_its_clients_secrets_and_all_unmask_the_survivors_sum(se
         assert all(torch.equal(alone.mask(c, rows[c]), masked[c]) for c in survivors)
 
 
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_second_unmasking_request_is_refused_on_every_rank(secure):
+    """The double-unmasking attack (Bonawitz et al. 2017, Round 4) through the ranks' exchange: the
+    round is unmasked with client 5 dropped; asked again with 5 alive, every rank refuses."""
+    cohort, d, bits, size = list(range(9)), 8, 20, 3
+    src = rng.RandomSource(2, rng.new_secret() if secure else None)
+    mine = [cohort[r::size] for r in range(size)]
+    rows = rows_for(cohort, d, seed=5)
+    survivors, dropped = [c for c in cohort if c != 5], [5]
+    ranks = ThreadRanks(size)
+
+    def setup(rank):
+        r = SecAggRound(cohort, bits, d, 1, src, neighbours=4, local_clients=mine[rank])
+        r.exchange(ranks.allgather(rank), ranks.alltoall(rank))
+        return r, {c: r.mask(c, rows[c]) for c in mine[rank]}
+
+    rounds_and_rows = ranks.run(setup)
+    rounds = [r for r, _ in rounds_and_rows]
+    masked = {c: row for _, part in rounds_and_rows for c, row in part.items()}
+    total = mod_sum(torch.stack([masked[c] for c in survivors]), bits)
+    first = ranks.run(lambda rank: rounds[rank].gather_reveals(survivors, dropped, ranks.allgather(rank)))
+    assert torch.equal(rounds[0].unmask(total, survivors, dropped, first[0]), expected_sum(rows, survivors, bits))
+    refusals = []
+
+    def ask_again(rank):
+        try:
+            rounds[rank].reveal(cohort, [])
+        except secagg.UnmaskingRefusedError as exc:
+            refusals.append(str(exc))
+
+    ranks.run(ask_again)
+    assert len(refusals) == size and all("clients [5]" in m and "already treated as dropped" in m for m in refusals)
+    assert {x.kind for x in first[0] if x.owner == 5} == {"private_key"}
+
+
 def test_without_one_rank_s_reveals_the_sum_is_not_unmasked():
     cohort, d, bits = list(range(8)), 8, 16  # complete graph: 8 holders, t = 5; each rank holds 4
     src = rng.RandomSource(1)

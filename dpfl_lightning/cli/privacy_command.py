@@ -83,7 +83,8 @@ def _calibrate(cfg: Any) -> None:
                              lambda n: 1, cfg.clients)
 
     def main(z: float):
-        return guarantees([Mechanism.gaussian("cli", z, 1.0, cfg.placement, ("update",))], sampler.accounted())[0]
+        return guarantees([Mechanism.gaussian("cli", z, 1.0, cfg.placement, ("update",))], sampler.accounted(),
+                          secure=cfg.secure)[0]
 
     t0 = time.perf_counter()
     z = planner.calibrate(main, cfg.epsilon, cfg.delta, cfg.accountant)

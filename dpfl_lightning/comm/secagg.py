@@ -55,12 +55,25 @@ client, purpose, tag)`` and ``secure``):
 The public graph permutation and the simulated dropouts come from the key source in both modes
 (keyed by round, and by client for dropouts; never by rank).
 
+**One unmasking request per round.** Each client answers the server's unmasking request once per
+round, and for each peer reveals either its share of ``sk`` (the peer dropped) or of ``b`` (it
+survived), never both: Bonawitz et al.'s Round 4 (Unmasking), which a client enters after the
+consistency check of Round 3 and answers once, for the one set of survivors it was shown. A
+:class:`SecAggRound` keeps what its clients answered: a second :meth:`~SecAggRound.reveal` in the round
+that a client already answered, or one that lists as surviving a client that an earlier answer
+treated as dropped (or the reverse), is refused (:class:`UnmaskingRefusedError`). Without this a
+server could ask twice -- ``u`` dropped, then ``u`` alive -- get both ``sk_u`` and ``b_u``, and strip
+all of ``u``'s masks from a row of ``u`` that arrives late.
+
 **Threat model of the simulation.** It computes what SecAgg's honest-but-curious variant computes.
 It does not simulate the transport's confidentiality: shares travel between ranks in the clear, to
 the holder's rank only (the real protocol encrypts them to the holder with a second key agreement
-and authenticated encryption, relayed by the server), and there are no
-signatures or consistency round (SecAgg's active-server variant). Masking changes no sensitivity:
-the server sees exactly the survivors' sum modulo ``2^b``; a DP guarantee on that sum is the noise's.
+and authenticated encryption, relayed by the server), and there are no signatures: the rule above is
+kept by each rank for the clients it trains (all of them in one process), so a server that sent
+*different* survivor sets to holders on different ranks is stopped by the threshold alone (a strict
+majority: no two disjoint sets of ``t`` holders), not by the signed consistency round of SecAgg's
+active-server variant. Masking changes no sensitivity: the server sees exactly the survivors' sum
+modulo ``2^b``; a DP guarantee on that sum is the noise's.
 
 Ranks: a :class:`SecAggRound` holds the secrets of *its* clients only (``local_clients``: the
 clients the rank trains) and every client's public key. :meth:`SecAggRound.exchange` runs the set-up
@@ -114,6 +127,11 @@ class KeySource(Protocol):
 
 class TooFewSurvivorsError(RuntimeError):
     """Fewer surviving clients than the threshold: the round's sum cannot (and must not) be unmasked."""
+
+
+class UnmaskingRefusedError(RuntimeError):
+    """An unmasking request the clients must not answer: a second one in the round, or one whose
+    survivors contradict an earlier answer (module docstring: one unmasking request per round)."""
 
 
 # ---------------------------------------------------------------------------------- modular rows
@@ -342,6 +360,8 @@ class SecAggRound:
         self._secrets = {c: ClientSecrets(c, round_idx, key_source) for c in local}
         self._publics = {c: s.public_key for c, s in self._secrets.items()}
         self._held: dict[tuple[int, int], ShareMessage] = {}
+        #: this rank's clients that answered the round's unmasking request: the survivors they were shown
+        self._answered: dict[int, frozenset[int]] = {}
         if local_clients is None:
             self.receive_shares(self.shares_to_send())
 
@@ -428,8 +448,13 @@ class SecAggRound:
 
     # -- unmasking
     def reveal(self, survivors: Iterable[int], dropped: Iterable[int]) -> list[Reveal]:
-        """The shares this rank's surviving clients send the server: ``b`` of survivors, ``sk`` of the dropped."""
+        """The shares this rank's surviving clients send the server: ``b`` of survivors, ``sk`` of the dropped.
+
+        Each client answers once per round (Bonawitz et al. 2017, Round 4): a request after this rank's
+        clients answered one is refused with :class:`UnmaskingRefusedError` (module docstring)."""
         alive, gone = self._partition(survivors, dropped)
+        self._check_request(alive, gone)
+        self._answered.update(dict.fromkeys(alive & set(self._secrets), frozenset(alive)))
         out = []
         for (owner, holder), m in sorted(self._held.items()):
             if holder in alive and owner in alive:
@@ -441,7 +466,8 @@ class SecAggRound:
     def unmask(self, masked_sum: torch.Tensor, survivors: Iterable[int], dropped: Iterable[int],
                reveals: Iterable[Reveal] | None = None) -> torch.Tensor:
         """The survivors' sum of rows modulo ``2^bits`` from ``masked_sum`` (:func:`mod_sum` of their
-        masked rows). ``reveals``: every rank's :meth:`reveal` (default: this rank's, for one process).
+        masked rows). ``reveals``: every rank's :meth:`reveal` (default: this rank's, for one process: the
+        round's one unmasking request, so a round is unmasked once).
         Raises :class:`TooFewSurvivorsError` when a needed secret has fewer than ``t`` surviving holders."""
         alive, gone = self._partition(survivors, dropped)
         if masked_sum.numel() != self.d:
@@ -464,6 +490,30 @@ class SecAggRound:
                     else:
                         words += mask
         return _to_tensor(words, self.bits)
+
+    def _check_request(self, alive: set[int], gone: set[int]) -> None:
+        """Refuse a request that would make a client answer twice, or contradict an earlier answer."""
+        if not self._answered:
+            return
+        shown = frozenset().union(*self._answered.values())  # survivors in an earlier answer
+        answered = sorted(self._answered)
+        rule = ("each client answers one unmasking request per round and reveals, for each peer, its share of the "
+                "private key (peer dropped) or of the self-mask seed (peer survived), never both (Bonawitz et al. "
+                "2017, 'Practical Secure Aggregation for Privacy-Preserving Machine Learning', CCS, Round 4 after "
+                "the consistency check); build a new SecAggRound for a new round")
+        now_alive = sorted(alive - shown)  # treated as dropped by an earlier answer
+        now_gone = sorted(gone & shown)
+        flips = ([f"as surviving clients {now_alive[:5]} that clients {answered[:5]} already treated as dropped "
+                  "(revealing shares of their private keys)"] if now_alive else []) + \
+                ([f"as dropped clients {now_gone[:5]} that clients {answered[:5]} already treated as surviving "
+                  "(revealing shares of their self-mask seeds)"] if now_gone else [])
+        if flips:
+            raise UnmaskingRefusedError(f"secagg: round {self.round_idx}: refused an unmasking request that lists "
+                                        f"{', and '.join(flips)}; {rule}")
+        again = sorted(alive & set(self._answered))
+        if again:
+            raise UnmaskingRefusedError(f"secagg: round {self.round_idx}: refused a second unmasking request: clients "
+                                        f"{again[:5]} already answered this round's; {rule}")
 
     def _partition(self, survivors: Iterable[int], dropped: Iterable[int]) -> tuple[set[int], set[int]]:
         alive, gone = set(survivors), set(dropped)

@@ -105,7 +105,7 @@ class PrivacyLedger(FederatedCallback):
         require(self.relation is None or sampling.kind == "full" or sampling.rate >= 1, "PrivacyLedger.relation",
                 self.relation, f"replace-one is accounted here for runs without client sampling ({sampling.kind} "
                 "sampling is accounted under its own relation)", "leave relation unset")
-        self.guarantees = guarantees(ctx.mechanisms, sampling, self.relation)
+        self.guarantees = guarantees(ctx.mechanisms, sampling, self.relation, secure=ctx.secure)
         self._cache.clear()
         if not self.guarantees:
             return

@@ -12,7 +12,9 @@ guarantee (metric)          accounted as                                        
                             (replace-one, 2C; also when B >= n)
 ``client_local`` /          per participation of a client: every local and            the server (for distributed
 ``client_distributed``      distributed mechanism, replace-one (2C), no               noise: if secure aggregation
-                            amplification (the server knows who took part)            hides the shares)
+                            amplification (the server knows who took part)            hides the shares; in a
+                                                                                      simulation, not from
+                                                                                      whoever has the seed)
 ``client_central`` /        per round: every client-level mechanism after the         anyone who sees the models but
 ``client_distributed_       client sampling: Poisson(q) add/remove (C); m of M        not who took part
 models``                    without replacement, replace-one (2C); everyone: C
@@ -137,11 +139,24 @@ def _names(mechs: list[Mechanism]) -> str:
     return ", ".join(sorted({m.source for m in mechs}))
 
 
-def guarantees(mechanisms: list[Mechanism], sampling: Sampling, relation: str | None = None) -> list[Guarantee]:
+#: what hides a client's noise share from the server, in ``client_distributed``'s description, by mode
+#: (``trainer.secure``; ``None``: not said)
+SHARES_HIDDEN = {
+    None: "secure aggregation hides the shares",
+    True: "secure aggregation hides the shares",
+    False: "simulation: the noise shares and any SecAgg masks are keyed by the logged seed, so anyone with the seed "
+           "rebuilds every share and mask: they are hidden only from someone without the seed",
+}
+
+
+def guarantees(mechanisms: list[Mechanism], sampling: Sampling, relation: str | None = None,
+               secure: bool | None = None) -> list[Guarantee]:
     """The guarantees of a run (see the module table); the first is the one logged as ``epsilon``.
     ``relation="replace_one"`` accounts the models guarantee of a run without client sampling
     under replace-one neighbours (``2C`` for clipped updates, ``C^2`` for squared norms), the
-    convention of papers 000 and 002, instead of add/remove."""
+    convention of papers 000 and 002, instead of add/remove. ``secure``: the run's mode
+    (``trainer.secure``), which says what hides the noise shares from the server
+    (:data:`SHARES_HIDDEN`: in a simulation, nothing from whoever knows the seed)."""
     out: list[Guarantee] = []
     for mech in (m for m in mechanisms if m.granularity == "record"):
         profiles = tuple(Profile(_record_release(mech, p), p.clients, p) for p in mech.record_profiles)
@@ -159,7 +174,7 @@ def guarantees(mechanisms: list[Mechanism], sampling: Sampling, relation: str | 
                                  "server", "client", True, (Profile(release),)))
             return out  # the models are a function of what the server saw
         out.append(Guarantee("client_distributed", f"client-level DP, distributed noise ({_names(at_clients)}), towards "
-                             "the server (secure aggregation hides the shares; the server knows who took part)",
+                             f"the server ({SHARES_HIDDEN[secure]}; the server knows who took part)",
                              "server", "client", True, (Profile(release),)))
     release = _models_release(client, sampling, relation)
     if central:

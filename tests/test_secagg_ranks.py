@@ -190,3 +190,38 @@ def test_a_secure_run_writes_none_of_its_clients_secrets(tmp_path, monkeypatch):
     for p in files:
         data = p.read_bytes()
         assert not [n for n in needles if n in data], p
+
+
+def test_ranks_shown_different_survivor_sets_refuse_to_unmask_at_any_threshold():
+    """The split-view attack: the server tells rank 0's holders that client 5 dropped (they would reveal
+    its private key) and the other ranks' that it survived (its self-mask seed). Through gather_reveals'
+    consistency round every rank refuses before revealing anything, also at t=3 where the threshold
+    alone would let both secrets through; the honest request afterwards still unmasks the sum."""
+    cohort, d, bits, size = list(range(9)), 8, 20, 3
+    src = rng.RandomSource(4)
+    mine = [cohort[r::size] for r in range(size)]
+    rows = rows_for(cohort, d, seed=3)
+    ranks = ThreadRanks(size)
+
+    def setup(rank):
+        r = SecAggRound(cohort, bits, d, 1, src, threshold=3, local_clients=mine[rank])
+        r.exchange(ranks.allgather(rank), ranks.alltoall(rank))
+        return r, {c: r.mask(c, rows[c]) for c in mine[rank]}
+
+    rounds_and_rows = ranks.run(setup)
+    rounds = [r for r, _ in rounds_and_rows]
+    masked = {c: row for _, part in rounds_and_rows for c, row in part.items()}
+    views = {0: ([c for c in cohort if c != 5], [5]), 1: (cohort, []), 2: (cohort, [])}
+    outcome = {}
+
+    def split_request(rank):
+        try:
+            outcome[rank] = rounds[rank].gather_reveals(*views[rank], ranks.allgather(rank))
+        except secagg.UnmaskingRefusedError as exc:
+            outcome[rank] = str(exc)
+
+    ranks.run(split_request)
+    assert all(isinstance(v, str) and "different survivor sets" in v for v in outcome.values()), outcome
+    honest = ranks.run(lambda rank: rounds[rank].gather_reveals(cohort, [], ranks.allgather(rank)))
+    total = mod_sum(torch.stack([masked[c] for c in cohort]), bits)
+    assert torch.equal(rounds[0].unmask(total, cohort, [], honest[0]), expected_sum(rows, cohort, bits))

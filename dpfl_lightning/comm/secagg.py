@@ -69,10 +69,12 @@ all of ``u``'s masks from a row of ``u`` that arrives late.
 It does not simulate the transport's confidentiality: shares travel between ranks in the clear, to
 the holder's rank only (the real protocol encrypts them to the holder with a second key agreement
 and authenticated encryption, relayed by the server), and there are no signatures: the rule above is
-kept by each rank for the clients it trains (all of them in one process), so a server that sent
-*different* survivor sets to holders on different ranks is stopped by the threshold alone (a strict
-majority: no two disjoint sets of ``t`` holders), not by the signed consistency round of SecAgg's
-active-server variant. Masking changes no sensitivity: the server sees exactly the survivors' sum
+kept by each rank for the clients it trains (all of them in one process), and
+:meth:`~SecAggRound.gather_reveals` first checks that every rank was shown the same survivors (the
+consistency round; unsigned: the ranks trust each other's word, as processes of one run), so a server
+cannot show holders on different ranks different survivor sets through it; a transport that calls
+:meth:`~SecAggRound.reveal` directly must run its own consistency check (or keep a strict-majority
+threshold: no two disjoint sets of ``t`` holders). Masking changes no sensitivity: the server sees exactly the survivors' sum
 modulo ``2^b``; a DP guarantee on that sum is the noise's.
 
 Ranks: a :class:`SecAggRound` holds the secrets of *its* clients only (``local_clients``: the
@@ -405,7 +407,18 @@ class SecAggRound:
 
     def gather_reveals(self, survivors: Iterable[int], dropped: Iterable[int],
                        allgather: Callable[[Any], list[Any]]) -> list[Reveal]:
-        """Every rank's :meth:`reveal`, for :meth:`unmask` (collective: every rank calls it)."""
+        """Every rank's :meth:`reveal`, for :meth:`unmask` (collective: every rank calls it).
+
+        First a consistency round (Bonawitz et al. 2017, Round 3): the ranks all-gather the survivor set
+        each was shown, and every rank refuses to reveal unless all were shown the same one, so holders on
+        different ranks cannot be told different survivor sets to collect both secrets of one client."""
+        alive, _ = self._partition(survivors, dropped)
+        shown = allgather(sorted(alive))
+        if any(s != shown[0] for s in shown):
+            raise UnmaskingRefusedError(f"secagg: round {self.round_idx}: refused to unmask: the ranks were shown "
+                                        f"{len({tuple(s) for s in shown})} different survivor sets (a consistency "
+                                        "check, Bonawitz et al. 2017, Round 3: every holder must be asked about the "
+                                        "same survivors)")
         return [r for part in allgather(self.reveal(survivors, dropped)) for r in part]
 
     def public_keys(self) -> dict[int, bytes]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -142,6 +143,23 @@ def test_private_selection_releases_only_the_best_trial_and_its_guarantee(tmp_pa
     assert all(t["name"] not in text for t in state["trials"] if t is not best)
     assert '"count"' not in (released / "selection.json").read_text()
     assert "trial-" not in console  # no progress line names a trial
+
+
+def test_the_release_lists_hyperparameters_never_display_or_logging_settings(tmp_path):
+    selection = {"distribution": "poisson", "mean": 2}
+    seed, _ = seed_with_count(selection, lambda k: k >= 1)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}, "model.init_args.hidden": {"value": 8},
+                                  "trainer.enable_progress_bar": {"value": False},
+                                  "trainer.enable_summary": {"value": False}}, selection)
+    info, console = run_private(path, tmp_path / "sw", seed=seed)
+    with open(tmp_path / "sw" / "released" / "selection.json") as f:
+        saved = json.load(f)
+    assert set(saved["parameters"]) == {"model.init_args.lr", "model.init_args.hidden"}
+    assert saved["selected"] == ["model.init_args.lr"]  # drawn from two values; hidden is fixed
+    summary = (tmp_path / "sw" / "released" / "summary.md").read_text()
+    assert re.search(r"\| model.init_args.lr \| 0\.[13] \| selected \|", summary)
+    assert "| model.init_args.hidden | 8 | fixed |" in summary
+    assert "enable_progress_bar" not in summary + console and "enable_summary" not in summary
 
 
 def test_trials_draw_points_uniformly_with_replacement(tmp_path):

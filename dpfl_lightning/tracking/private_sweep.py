@@ -31,7 +31,8 @@ A sweep file asks for it with ``private_selection: {distribution: poisson, mean:
    trial to finish has its metric checked (it must be a release the guarantee allows:
    :func:`~dpfl_lightning.tracking.sweep_privacy.metric_refusal`).
 5. **The release**, in ``released/``: the best trial by the metric (``runs/selected/``: its logs,
-   configuration and checkpoints), ``selection.json`` and ``summary.md`` (its hyperparameters, its
+   configuration and checkpoints), ``selection.json`` and ``summary.md`` (its hyperparameters: those
+   selected, those fixed for every trial, those calibrated; never a display or logging setting; its
    metric, the guarantee of the selected result, and for comparison the epsilon of one run and of
    releasing every run of a grid of the mean number of trials). ``K`` and the other trials are not
    released: the pair (``K``, best result) is not covered by the theorems. ``K = 0`` (Poisson)
@@ -56,7 +57,7 @@ from dpfl_lightning.privacy.selection import (TRIALS, TrialCount, draw_trial_cou
 from dpfl_lightning.privacy.selection_accounting import (SelectedEpsilon, Trial, all_runs_epsilon, one_run_epsilon,
                                                          selected_epsilon)
 from dpfl_lightning.tracking import sweep as sweeps
-from dpfl_lightning.tracking.run_files import final_metric
+from dpfl_lightning.tracking.run_files import final_metric, is_model_setting
 from dpfl_lightning.tracking.sweep_privacy import RunPrivacy, fit_arguments, metric_refusal
 
 STATE = "selection_state.json"
@@ -288,8 +289,8 @@ def release(sweep: sweeps.Sweep, directory: str, space: Space, state: dict[str, 
         # file contents only: copied times would date the selected trial against the sweep's end,
         # a lower bound on how many trials ran after it
         shutil.copytree(os.path.join(private_dir, "runs", t["name"]), selected, copy_function=shutil.copyfile)
-        info.update(result="selected", value=value, parameters={**space.points[t["point"]], **extra},
-                    label=space.labels[t["point"]])
+        info.update(result="selected", value=value, label=space.labels[t["point"]],
+                    **selected_parameters(sweep, space.points[t["point"]], extra))
     else:
         # one text whatever the cause: K = 0, or K >= 1 trials none of which logged a finite metric
         # (a divergence that depends on the data); which one it was stays in private/
@@ -302,6 +303,18 @@ def release(sweep: sweeps.Sweep, directory: str, space: Space, state: dict[str, 
         f.write(summary_markdown(info))
     _one_time(out_dir)
     return info
+
+
+def selected_parameters(sweep: sweeps.Sweep, point: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """What ``selection.json`` says of the selected trial's settings: ``parameters``, the settings of
+    its point that define the model (a display or logging setting the sweep file fixes, such as
+    ``trainer.enable_progress_bar``, is no hyperparameter: ``run_files.NOT_MODEL_SETTINGS``) and the
+    calibrated ones; ``selected``, those of them drawn from several values (the others are fixed for
+    every trial); ``calibrated``, those ``--target_epsilon`` set."""
+    constant = set(sweeps.constant_parameters(sweep))
+    parameters = {k: v for k, v in point.items() if is_model_setting(k)}
+    return {"parameters": {**parameters, **extra}, "selected": [k for k in parameters if k not in constant],
+            "calibrated": list(extra)}
 
 
 def _one_time(root: str) -> None:
@@ -320,8 +333,10 @@ def summary_markdown(info: dict[str, Any]) -> str:
     lines = [f"# Private-selection sweep: {info['sweep']}", ""]
     if info["result"] == "selected":
         lines += [f"Selected result (the best trial by `{info['metric']}`, goal {info['goal']}): "
-                  f"**{info['metric']} = {info['value']:.4g}**", "", "| parameter | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in info["parameters"].items()]
+                  f"**{info['metric']} = {info['value']:.4g}**", "", "| parameter | value | |", "|---|---|---|"]
+        selected, calibrated = info.get("selected", []), info.get("calibrated", [])
+        lines += [f"| {k} | {v} | {'selected' if k in selected else 'calibrated' if k in calibrated else 'fixed'} |"
+                  for k, v in info["parameters"].items()]
         lines += ["", "Its logs, configuration and checkpoints: `runs/selected/`.", ""]
     else:
         lines += [f"**Nothing is released**: {info['why']}. This outcome is part of the mechanism (its guarantee "

@@ -2,8 +2,9 @@
 
 Every ``metrics.csv`` below ``RUNS_DIR`` is a run (for a sweep's directory, the ones under its
 ``runs/``), with the ``hparams.yaml`` next to it. Runs are grouped by their configuration minus the
-seeds (every ``seed`` key and ``seed_everything``, and what only names or places a run: run name,
-log and checkpoint directories, loggers, threads, progress bar). Only distinct seeds are averaged:
+seeds (every ``seed`` key and ``seed_everything``, and what only names, places, shows or logs a run:
+run name, log and checkpoint directories, loggers, threads, progress bar, ...:
+``run_files.NOT_MODEL_SETTINGS``). Only distinct seeds are averaged:
 of runs of a group with the same seeds (the same configuration run twice) the newest counts, and
 the table says which were left out. Written to ``--out`` (default ``RUNS_DIR/report``), each file
 named after what it plots:
@@ -39,16 +40,12 @@ from typing import Any
 import yaml
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.tracking.run_files import read_metrics, short_keys
+from dpfl_lightning.tracking.run_files import is_model_setting, read_metrics, short_keys
 
 #: default metric: the first of these that any run logged (else every metric)
 PREFERRED = ("test_acc", "val_acc", "test_accuracy", "val_accuracy", "accuracy", "acc", "test_loss", "val_loss",
              "suboptimality", "loss")
 _BOOKKEEPING = ("round", "step", "round_time_s", "clients", "skipped_clients")
-#: configuration keys that name or place a run rather than define it (besides any ``seed``)
-_NOT_CONFIG = ("trainer.run_name", "trainer.log_dir", "trainer.checkpoint_dir", "trainer.checkpoint_every",
-               "trainer.loggers", "trainer.enable_progress_bar", "trainer.enable_summary", "trainer.num_threads",
-               "privacy")
 #: the longest label a plot shows (a legend entry, a line of an axis label): a mixed directory's
 #: configurations differ in many settings, and their full labels would run off the image; longer
 #: ones are numbered and cut with an ellipsis (the full text in summary.md, under its number)
@@ -70,7 +67,10 @@ def _is_seed_key(key: str) -> bool:
 
 
 def _is_run_key(key: str) -> bool:
-    return _is_seed_key(key) or any(key == k or key.startswith(k + ".") for k in _NOT_CONFIG)
+    """A key that names, places or shows a run rather than defines it: a seed, a setting that never
+    changes the model (:data:`~dpfl_lightning.tracking.run_files.NOT_MODEL_SETTINGS`), the privacy
+    statement the run wrote of itself."""
+    return _is_seed_key(key) or not is_model_setting(key) or key == "privacy" or key.startswith("privacy.")
 
 
 @dataclass

@@ -348,7 +348,7 @@ def test_wandb_sweep_gets_the_drawn_count_and_random_draws_from_the_grid(tmp_pat
 
 
 # ------------------------------------------------------------------------------ one real sweep
-def test_a_real_private_selection_sweep_and_its_report(tmp_path):
+def test_a_real_private_selection_sweep_and_its_report(tmp_path, capsys):
     selection = {"distribution": "poisson", "mean": 2}
     seed, _ = seed_with_count(selection, lambda k: k == 1)
     base = {"trainer": {"rounds": 2, "batch_size": 16, "enable_progress_bar": False, "enable_summary": False,
@@ -377,3 +377,30 @@ def test_a_real_private_selection_sweep_and_its_report(tmp_path):
     report = write_report(str(tmp_path / "sw"), "test_acc", privacy=sweep_command.report_privacy)
     assert report["privacy"]["selected"] == pytest.approx(g["epsilon_selected"])
     assert [r.label for r in report["groups"][0].runs] == ["selected"]  # only the released run is read
+
+    # dpfl report SWEEP/released (what a user publishes): the selection's guarantee, not the run's own ledger
+    from dpfl_lightning.cli import command as cli
+    from dpfl_lightning.tracking.run_files import read_metrics
+
+    released = tmp_path / "sw" / "released"
+    (metrics_csv,) = released.glob("runs/selected/version_*/metrics.csv")
+    own = read_metrics(str(metrics_csv))[-1]["epsilon"]  # the released run's ledger: the selection left out
+    assert f"{own:.4g}" != f"{g['epsilon_selected']:.4g}"
+    for target in (released, released / "runs" / "selected"):
+        capsys.readouterr()
+        cli.main(["report", str(target), "--out", str(tmp_path / "rep")])
+        printed = capsys.readouterr().out
+        line = (f"guarantee of the private selection: epsilon = {g['epsilon_selected']:.4g} at delta = "
+                f"{g['delta']:g} (client-level, {g['audience']}")
+        assert line in printed and line in (tmp_path / "rep" / "summary.md").read_text()
+        assert "| configuration | seeds | rounds | test_acc |" in printed  # no column of the run's own epsilon
+        assert "all 1 runs" not in printed
+        assert f"| the selected result: guarantee of the private selection (the selection included) | " \
+               f"{g['epsilon_selected']:.4g} |" in printed
+        plots = sorted(os.listdir(tmp_path / "rep"))
+        assert "test_acc_vs_epsilon_tuned.png" in plots and "test_acc_vs_epsilon.png" not in plots, plots
+        assert "| model.init_args.lr | " in printed and "| selected |" in printed
+    report = write_report(str(released), out=str(tmp_path / "rep2"))  # no planner needed: selection.json says it
+    assert report["privacy"]["tuned"] == g["epsilon_selected"] and report["epsilons"] == []
+    report = write_report(str(released), epsilon="epsilon", out=str(tmp_path / "rep3"))  # asked for: the run's own
+    assert "(the run's own ledger, the selection left out)" in open(report["table"]).read()

@@ -107,10 +107,16 @@ def run_sweep(cfg: Any, out: Any = None) -> int:
 
 def report_privacy(runs: list[Any], sweep_dir: str) -> dict[str, Any] | None:
     """The epsilons of what a sweep of DP runs releases, for ``dpfl report``: one run (the largest of
-    its runs), every run composed (``dp_accounting`` through ``selection_accounting``), and, for a
-    private-selection sweep, the selected result's (its ``released/selection.json``). ``None`` when
-    no run is a DP run. Each run's trial is planned from its saved ``config.yaml`` at the rounds it
-    logged."""
+    its runs) and every run composed (``dp_accounting`` through ``selection_accounting``), each run's
+    trial planned from its saved ``config.yaml`` at the rounds it logged; for a private selection's
+    release (the sweep's directory, its ``released/`` or a folder in it), the guarantee its
+    ``selection.json`` gives (:func:`~dpfl_lightning.tracking.report.release_privacy`). ``None``
+    when no run is a DP run."""
+    from dpfl_lightning.tracking.report import private_release, release_privacy
+
+    release = private_release(sweep_dir)
+    if release is not None:  # what a private selection released carries the selection's guarantee
+        return release_privacy(release)
     from dpfl_lightning.privacy.selection_accounting import all_runs_epsilon, one_run_epsilon
     from dpfl_lightning.tracking.sweep_privacy import config_arguments
 
@@ -132,15 +138,7 @@ def report_privacy(runs: list[Any], sweep_dir: str) -> dict[str, Any] | None:
            "one_run": one_run_epsilon(trials, delta, accountant).epsilon,
            "all_runs": all_runs_epsilon([max(p.trials, key=lambda t: t.rdp().max()) for p in planned], delta,
                                         accountant).epsilon}
-    selection = os.path.join(sweep_dir, "released", "selection.json")
-    if os.path.isfile(selection):
-        import json
-
-        with open(selection) as f:
-            g = json.load(f)["guarantee"]
-        out.update(selected=g["epsilon_selected"], all_runs=g["epsilon_all_runs"], grid_runs=g["grid_runs"],
-                   delta=g["delta"], one_run=g["epsilon_one_run"], audience=f"{g['granularity']}-level, {g['audience']}")
-    out["tuned"] = out.get("selected", out["all_runs"])
+    out["tuned"] = out["all_runs"]
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else float("inf")) for k, v in out.items()}
 
 

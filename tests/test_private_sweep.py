@@ -160,6 +160,17 @@ def test_the_release_lists_hyperparameters_never_display_or_logging_settings(tmp
     assert re.search(r"\| model.init_args.lr \| 0\.[13] \| selected \|", summary)
     assert "| model.init_args.hidden | 8 | fixed |" in summary
     assert "enable_progress_bar" not in summary + console and "enable_summary" not in summary
+    # dpfl report of the release lists the same, also from a selection.json written before display
+    # settings were left out of it (which named every setting of the point)
+    from dpfl_lightning.tracking.report import write_report
+
+    saved["parameters"]["trainer.enable_progress_bar"] = False
+    with open(tmp_path / "sw" / "released" / "selection.json", "w") as f:
+        json.dump(saved, f)
+    report = write_report(str(tmp_path / "sw" / "released"), out=str(tmp_path / "rep"))
+    text = open(report["table"]).read()
+    assert re.search(r"\| model.init_args.lr \| 0\.[13] \| selected \|", text)
+    assert "| model.init_args.hidden | 8 | fixed |" in text and "enable_progress_bar" not in text
 
 
 def test_trials_draw_points_uniformly_with_replacement(tmp_path):

@@ -324,12 +324,14 @@ def report_parser() -> ArgumentParser:
     p.add_argument("runs_dir", type=str, help="directory searched for <run>/version_N/metrics.csv "
                                               "(a sweep directory: its runs/)")
     p.add_argument("--metric", type=str | None, default=None,
-                   help="metric(s) to report, comma-separated (default: the first of test_acc, val_acc, "
-                        "test_loss, val_loss, ... that was logged; else all)")
+                   help="metric(s) to report, comma-separated (default: the sweep's metric; else the first of "
+                        "test_acc, val_acc, test_loss, val_loss, ... that was logged; else all). A metric with one "
+                        "value in every run and round is tabled, not plotted")
     p.add_argument("--epsilon", type=str | None, default=None,
                    help="the guarantee(s) to plot against, comma-separated epsilon columns (epsilon, "
                         "epsilon_client_distributed_models, ...; default: every one the runs logged), or tuned: "
-                        "the tuned result at the epsilon that includes its tuning")
+                        "the tuned result at the epsilon that includes its tuning (the default for a private "
+                        "selection's release, whose guarantee its selection.json gives)")
     p.add_argument("--out", type=str | None, default=None, help="output directory (default: RUNS_DIR/report)")
     return p
 

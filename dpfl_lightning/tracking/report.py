@@ -21,6 +21,11 @@ named after what it plots:
   logged value), mean and standard deviation (sample, ``n - 1``) over the distinct seeds of each
   group, then one row per run.
 
+The metrics: ``--metric``, else the sweep's own (its ``sweep.yaml``, a private selection's
+``selection.json``), else the first of :data:`PREFERRED` logged, else every one logged. A metric
+with one value in every run and round (a clip norm or noise level the settings fix) is not plotted:
+its plots would be flat lines; the tables keep it, and ``summary.md`` says it was left out.
+
 Every epsilon axis and column says which guarantee it is: granularity, audience ("towards the
 server", "towards anyone who sees the models") and delta, from the privacy settings each run saved
 in its ``hparams.yaml``.
@@ -324,9 +329,10 @@ def _natural(text: str) -> list[Any]:
     return parts
 
 
-def select_metrics(runs: list[Run], requested: str | list[str] | None = None) -> list[str]:
-    """``requested`` (comma-separated or a list), else the first of :data:`PREFERRED` that was
-    logged, else every logged metric but bookkeeping and epsilon."""
+def select_metrics(runs: list[Run], requested: str | list[str] | None = None, sweep_metric: str | None = None) -> list[str]:
+    """``requested`` (comma-separated or a list), else the sweep's metric when it was logged, else
+    the first of :data:`PREFERRED` that was logged, else every logged metric but bookkeeping and
+    epsilon."""
     logged: list[str] = []
     for run in runs:
         for row in run.rows:
@@ -334,10 +340,22 @@ def select_metrics(runs: list[Run], requested: str | list[str] | None = None) ->
     if requested:
         return _requested("report --metric", requested, logged,
                           ", ".join(k for k in logged if k not in _BOOKKEEPING))
-    for m in PREFERRED:
+    for m in ([sweep_metric] if sweep_metric else []) + list(PREFERRED):
         if m in logged:
             return [m]
     return [k for k in logged if k not in _BOOKKEEPING and not k.startswith("epsilon")]
+
+
+def constant_metrics(runs: list[Run], metrics: list[str]) -> dict[str, float]:
+    """The metrics of ``metrics`` logged more than once (over rounds and runs) with one value every
+    time (a clip norm, a noise level the settings fix), and that value: a plot of them is a flat
+    line, so they are not plotted (the tables keep them)."""
+    out = {}
+    for m in metrics:
+        values = [row[m] for r in runs for row in r.rows if m in row]
+        if len(values) > 1 and len({v for v in values if v == v}) == 1 and all(v == v for v in values):
+            out[m] = values[0]
+    return out
 
 
 def epsilon_columns(runs: list[Run], requested: str | list[str] | None = None) -> list[str]:
@@ -409,9 +427,10 @@ def release_markdown(release: Release) -> list[str]:
 
 
 def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str], eps: list[str] | None = None,
-                     release: Release | None = None) -> str:
+                     release: Release | None = None, constants: dict[str, float] | None = None) -> str:
     """The Markdown table of final values (see the module docstring); ``release``: the private
-    selection whose release the runs are (its guarantee and hyperparameters first)."""
+    selection whose release the runs are (its guarantee and hyperparameters first); ``constants``:
+    the metrics not plotted for having one value (:func:`constant_metrics`)."""
     runs = [r for g in groups for r in g.runs]
     eps = epsilon_columns(runs) if eps is None else eps
     cols = ["rounds"] + [k for k in eps if k not in metrics] + metrics
@@ -423,6 +442,9 @@ def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str], eps
         own = " (the run's own ledger, the selection left out)" if release is not None else ""
         lines += ["Epsilon columns (which guarantee each is):", ""]
         lines += [f"- `{k}`: {guarantee_label(runs, k)}{own}" for k in eps] + [""]
+    if constants:
+        lines += ["Not plotted (one value in every run and round): "
+                  + ", ".join(f"`{k}` = {v:.4g}" for k, v in constants.items()) + ".", ""]
     if repeats:
         lines += [f"Not averaged (the same seeds as a newer run of their configuration): "
                   f"{', '.join(f'{r.label} (as {r.repeat_of})' for r in repeats)}.", ""]
@@ -587,7 +609,10 @@ def write_report(runs_dir: str, metric: str | list[str] | None = None, out: str 
     names columns, is the only epsilon it plots against (``tuned``)."""
     release = private_release(runs_dir) if os.path.isdir(runs_dir) else None
     runs = find_runs(runs_dir)
-    metrics = select_metrics(runs, metric)
+    sweep_name, goal = sweep_metric(runs_dir, release)
+    metrics = select_metrics(runs, metric, sweep_name)
+    constants = constant_metrics(runs, metrics)
+    plotted = [m for m in metrics if m not in constants]
     names = [e.strip() for e in (epsilon.split(",") if isinstance(epsilon, str) else epsilon or []) if e.strip()]
     if release is not None and not names:  # what is released carries the selection's guarantee, not the run's
         names = ["tuned"]
@@ -597,29 +622,36 @@ def write_report(runs_dir: str, metric: str | list[str] | None = None, out: str 
     groups = group_runs(runs)
     out = out or os.path.join(runs_dir, "report")
     os.makedirs(out, exist_ok=True)
-    plots = write_plots(groups, metrics, out, eps)
+    plots = write_plots(groups, plotted, out, eps)
     section = release_privacy(release) if release is not None else privacy(runs, runs_dir) if privacy else None
     if tuned:
         if section is None:
             raise ConfigError("report --epsilon", "tuned", "needs the runs' privacy (DP runs, planned by dpfl report)",
                               "report a sweep of DP runs with dpfl report")
-        goal = release.selection.get("goal", "maximize") if release is not None else _goal(runs_dir)
-        plots += [plot_tuned(groups, metrics, out, section, goal)]
+        if plotted:
+            plots += [plot_tuned(groups, plotted, out, section, goal)]
     table = os.path.join(out, "summary.md")
     with open(table, "w") as f:
-        f.write(summary_markdown(runs_dir, groups, metrics, eps, release)
+        f.write(summary_markdown(runs_dir, groups, metrics, eps, release, constants)
                 + (privacy_markdown(section) if section else ""))
     return {"plots": plots, "table": table, "metrics": metrics, "epsilons": eps, "groups": groups, "privacy": section}
 
 
-def _goal(runs_dir: str) -> str:
-    """The sweep's ``metric.goal`` (its ``sweep.yaml``), else ``maximize``."""
-    try:
-        with open(os.path.join(runs_dir, "sweep.yaml")) as f:
-            metric = (yaml.safe_load(f) or {}).get("metric") or {}
-        return "minimize" if metric.get("goal") == "minimize" else "maximize"
-    except (OSError, yaml.YAMLError, AttributeError):
-        return "maximize"
+def sweep_metric(runs_dir: str, release: Release | None = None) -> tuple[str | None, str]:
+    """The sweep's metric and goal: a private selection's (its ``selection.json``), else a sweep
+    directory's ``sweep.yaml``'s ``metric``; ``(None, "maximize")`` when there is none."""
+    metric: Any = {"name": release.selection.get("metric"), "goal": release.selection.get("goal")} if release else {}
+    if release is None:
+        try:
+            with open(os.path.join(runs_dir, "sweep.yaml")) as f:
+                metric = (yaml.safe_load(f) or {}).get("metric") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            metric = {}
+    if not isinstance(metric, dict):
+        metric = {}
+    name = metric.get("name")
+    return (name if isinstance(name, str) and name else None), ("minimize" if metric.get("goal") == "minimize"
+                                                               else "maximize")
 
 
 def release_privacy(release: Release) -> dict[str, Any]:

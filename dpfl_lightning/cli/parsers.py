@@ -302,7 +302,9 @@ def sweep_parser() -> ArgumentParser:
     p.add_argument("--count", type=int | None, default=None,
                    help="random search: number of runs (default: run_cap of the file); grid: run at most this many")
     p.add_argument("--seed", type=int, default=0, help="random search: seed of the parameter draws")
-    p.add_argument("--dry_run", type=bool, default=False, help="print the commands, run nothing")
+    p.add_argument("--dry_run", type=bool, default=False,
+                   help="print the commands, run nothing (a private selection: its plan and guarantee; nothing "
+                        "drawn, trained or written)")
     p.add_argument("--private_selection", type=dict | None, default=None,
                    help="private selection (Papernot & Steinke): e.g. '{distribution: poisson, mean: 8}' (also "
                         "geometric, logarithmic, truncated_negative_binomial with shape); overrides the file's")

@@ -17,15 +17,11 @@ from dpfl_lightning.tracking.sweep_privacy import RunPrivacy
 NOISE_SETTING = "trainer.algorithm.init_args.noise_multiplier"
 
 
-def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = None,
-             noise_setting: str = NOISE_SETTING) -> RunPrivacy | None:
-    """The :class:`RunPrivacy` of ``dpfl fit ARGUMENTS`` after ``rounds`` rounds (default: the
-    configured ones), or ``None`` for a run without DP: its privacy ledger's main guarantee, one
-    trial per profile. Builds the configured trainer, data and model (imports torch), trains nothing."""
+def configured(arguments: Sequence[str], label: str = "") -> tuple[Any, Any, Any]:
+    """``dpfl fit ARGUMENTS`` parsed and built: ``(config, instantiated objects, federated data)``;
+    trains nothing (imports torch)."""
     from dpfl_lightning.cli.parsers import fit_parser
-    from dpfl_lightning.cli.privacy_command import plan_run
     from dpfl_lightning.cli.run_objects import federated_data
-    from dpfl_lightning.privacy.selection_accounting import Trial
 
     parser = fit_parser()
     try:
@@ -34,7 +30,18 @@ def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = Non
         raise ConfigError("sweep configuration", label or " ".join(arguments), "is not a valid dpfl fit "
                           "configuration", "check it with dpfl fit ... --print_config") from exc
     init = parser.instantiate_classes(cfg)
-    data = federated_data(init.data, cfg.split)
+    return cfg, init, federated_data(init.data, cfg.split)
+
+
+def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = None,
+             noise_setting: str = NOISE_SETTING) -> RunPrivacy | None:
+    """The :class:`RunPrivacy` of ``dpfl fit ARGUMENTS`` after ``rounds`` rounds (default: the
+    configured ones), or ``None`` for a run without DP: its privacy ledger's main guarantee, one
+    trial per profile. Builds the configured trainer, data and model (imports torch), trains nothing."""
+    from dpfl_lightning.cli.privacy_command import plan_run
+    from dpfl_lightning.privacy.selection_accounting import Trial
+
+    cfg, init, data = configured(arguments, label)
     ledger = plan_run(init.trainer, data, model=init.model)
     if not ledger.guarantees:
         return None
@@ -77,8 +84,10 @@ def _composable(release: Any, steps: int, label: str) -> tuple[Any, int]:
 
 def run_sweep(cfg: Any, out: Any = None) -> int:
     """``dpfl sweep``: a private selection when the file or ``--private_selection`` asks for it
-    (exit 0 when it released, or released nothing because K = 0; 1 when a trial failed), else every
-    configuration (:func:`dpfl_lightning.tracking.sweep.run_from_cli`)."""
+    (exit 0 when it released, or released nothing because K = 0, or printed its plan under
+    ``--dry_run``; 1 when a trial failed), else every configuration
+    (:func:`dpfl_lightning.tracking.sweep.run_from_cli`). A private selection's metric is checked
+    on every point's set-up before anything is drawn (:mod:`dpfl_lightning.cli.selection_metric`)."""
     from dpfl_lightning.tracking import sweep as sweeps
 
     out = out or sys.stderr
@@ -94,13 +103,16 @@ def run_sweep(cfg: Any, out: Any = None) -> int:
         return sweeps.run_from_cli(cfg)
     from dpfl_lightning.tracking import private_sweep
 
+    from dpfl_lightning.cli.selection_metric import refuse_metric_at_setup
+
     count = private_sweep.selection_setting(sweep, selection)
     setting = getattr(cfg, "noise_setting", None) or NOISE_SETTING
     options = private_sweep.Options(
         directory=cfg.dir or os.path.join("sweeps", sweep.name),
         planner=lambda args, label: plan_fit(args, label, noise_setting=setting), seed=cfg.seed, jobs=cfg.jobs,
         mpi=cfg.mpi, target_epsilon=getattr(cfg, "target_epsilon", None), delta=getattr(cfg, "delta", None),
-        noise_setting=setting, wandb=bool(getattr(cfg, "wandb", False)))
+        noise_setting=setting, wandb=bool(getattr(cfg, "wandb", False)), check_metric=refuse_metric_at_setup,
+        dry_run=bool(getattr(cfg, "dry_run", False)))
     info = private_sweep.run_private(sweep, count, options, out)
     return 1 if info is None else 0
 

@@ -486,8 +486,6 @@ def plan_selection(sweep: sweeps.Sweep, count: TrialCount, options: Options) -> 
 def print_plan(sweep: sweeps.Sweep, space: Space, count: TrialCount, extra: dict[str, Any], options: Options,
                out: Any) -> None:
     """``--dry_run``: what a real run would draw and run, said without drawing (see :func:`run_private`)."""
-    import shlex
-
     private_dir = os.path.join(options.directory, "private")
     point = {**space.points[0], **extra, "trainer.seed": "<drawn>"}
     command = sweeps.build_command(sweep, point, mpi=options.mpi, log_dir=os.path.join(private_dir, "runs"),
@@ -502,7 +500,7 @@ def print_plan(sweep: sweeps.Sweep, space: Space, count: TrialCount, extra: dict
     lines = [f"the number of trials K: {describe_trial_count(count)}",
              f"each trial: one of the {len(space.points)} point(s), uniformly at random with replacement, with its own "
              "seed and run name: " + "; ".join(space.labels),
-             f"a trial's command (point 1): {shlex.join(command)}",
+             f"a trial's command (point 1): {' '.join(sweeps.quote(c) for c in command)}",
              f"the trials would run under {private_dir} (never release it); the selected result would be released in "
              f"{os.path.join(options.directory, 'released')}",
              f"dry run: nothing was drawn, trained or written; a real run {then}"]

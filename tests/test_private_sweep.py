@@ -492,3 +492,4 @@ def test_a_real_private_selection_sweep_and_its_report(tmp_path, capsys):
     assert report["privacy"]["tuned"] == g["epsilon_selected"] and report["epsilons"] == []
     report = write_report(str(released), epsilon="epsilon", out=str(tmp_path / "rep3"))  # asked for: the run's own
     assert "(the run's own ledger, the selection left out)" in open(report["table"]).read()
+    assert any(p.endswith("test_acc_vs_epsilon.png") for p in report["plots"])

@@ -497,9 +497,10 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def _epsilon_axis(runs: list[Run], column: str) -> str:
-    """An epsilon axis label: the column, then its guarantee in lines of at most :data:`LABEL_MAX`."""
-    return f"{column}\n" + textwrap.fill(f"({guarantee_label(runs, column)})", LABEL_MAX, break_long_words=False)
+def _epsilon_axis(runs: list[Run], column: str, note: str = "") -> str:
+    """An epsilon axis label: the column, then its guarantee (and ``note``) in lines of at most
+    :data:`LABEL_MAX`."""
+    return f"{column}\n" + textwrap.fill(f"({guarantee_label(runs, column)}{note})", LABEL_MAX, break_long_words=False)
 
 
 class _Figures:
@@ -553,7 +554,12 @@ def _final_points(ax: Any, groups: list[Group], colors: list[Any], column: str, 
                         label=g.short)
 
 
-def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str] | None = None) -> list[str]:
+def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str] | None = None,
+                own_ledger: bool = False) -> list[str]:
+    """The plots over rounds and against each epsilon column (see the module docstring);
+    ``own_ledger``: the runs are a private selection's release, whose columns leave the selection
+    out (their axes say so)."""
+    own = "; the run's own ledger, the selection left out" if own_ledger else ""
     figures = _Figures(out)
     colors = _colors(len(groups))
     runs = [r for g in groups for r in g.runs]
@@ -569,7 +575,7 @@ def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str
     for column in eps:
         fig, ax = figures.new()
         _lines(ax, groups, colors, _over_rounds, column, "-")
-        ax.set(xlabel="round", ylabel=_epsilon_axis(runs, column), title=f"{column} vs round (privacy ledger)")
+        ax.set(xlabel="round", ylabel=_epsilon_axis(runs, column, own), title=f"{column} vs round (privacy ledger)")
         ax.grid(alpha=0.3)
         _legend(ax, len(groups))
         figures.save(fig, f"{_safe(column)}_vs_round.png")
@@ -584,7 +590,7 @@ def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str
             fig, ax = figures.new()
             _lines(ax, groups, colors, along, shown, "-", faint=True)
             _final_points(ax, groups, colors, column, metric)
-            ax.set(xlabel=_epsilon_axis(runs, column), ylabel=metric)
+            ax.set(xlabel=_epsilon_axis(runs, column, own), ylabel=metric)
             title = f"final {metric} (mean ± std over seeds) vs {column}"
             if shown != metric:
                 title += f"\nlines: {shown} during training"
@@ -622,7 +628,7 @@ def write_report(runs_dir: str, metric: str | list[str] | None = None, out: str 
     groups = group_runs(runs)
     out = out or os.path.join(runs_dir, "report")
     os.makedirs(out, exist_ok=True)
-    plots = write_plots(groups, plotted, out, eps)
+    plots = write_plots(groups, plotted, out, eps, own_ledger=release is not None)
     section = release_privacy(release) if release is not None else privacy(runs, runs_dir) if privacy else None
     if tuned:
         if section is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -144,6 +145,34 @@ def test_private_selection_releases_only_the_best_trial_and_its_guarantee(tmp_pa
     assert "trial-" not in console  # no progress line names a trial
 
 
+def test_the_release_lists_hyperparameters_never_display_or_logging_settings(tmp_path):
+    selection = {"distribution": "poisson", "mean": 2}
+    seed, _ = seed_with_count(selection, lambda k: k >= 1)
+    path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}, "model.init_args.hidden": {"value": 8},
+                                  "trainer.enable_progress_bar": {"value": False},
+                                  "trainer.enable_summary": {"value": False}}, selection)
+    info, console = run_private(path, tmp_path / "sw", seed=seed)
+    with open(tmp_path / "sw" / "released" / "selection.json") as f:
+        saved = json.load(f)
+    assert set(saved["parameters"]) == {"model.init_args.lr", "model.init_args.hidden"}
+    assert saved["selected"] == ["model.init_args.lr"]  # drawn from two values; hidden is fixed
+    summary = (tmp_path / "sw" / "released" / "summary.md").read_text()
+    assert re.search(r"\| model.init_args.lr \| 0\.[13] \| selected \|", summary)
+    assert "| model.init_args.hidden | 8 | fixed |" in summary
+    assert "enable_progress_bar" not in summary + console and "enable_summary" not in summary
+    # dpfl report of the release lists the same, also from a selection.json written before display
+    # settings were left out of it (which named every setting of the point)
+    from dpfl_lightning.tracking.report import write_report
+
+    saved["parameters"]["trainer.enable_progress_bar"] = False
+    with open(tmp_path / "sw" / "released" / "selection.json", "w") as f:
+        json.dump(saved, f)
+    report = write_report(str(tmp_path / "sw" / "released"), out=str(tmp_path / "rep"))
+    text = open(report["table"]).read()
+    assert re.search(r"\| model.init_args.lr \| 0\.[13] \| selected \|", text)
+    assert "| model.init_args.hidden | 8 | fixed |" in text and "enable_progress_bar" not in text
+
+
 def test_trials_draw_points_uniformly_with_replacement(tmp_path):
     selection = {"distribution": "poisson", "mean": 40}
     path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection)
@@ -233,6 +262,8 @@ def test_a_space_that_cannot_be_listed_or_that_sets_the_seed_is_refused(tmp_path
 
 # ------------------------------------------------------------------------------ item 3
 def test_a_metric_from_clients_data_is_refused_for_selection(tmp_path):
+    """Without a set-up check (fake trials: see the next tests for dpfl sweep's), the kinds the first
+    trial recorded refuse the metric before any other trial runs."""
     selection = {"distribution": "poisson", "mean": 3}
     seed, _ = seed_with_count(selection, lambda k: k >= 2)
     path = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, selection, metric="train_loss")
@@ -241,6 +272,81 @@ def test_a_metric_from_clients_data_is_refused_for_selection(tmp_path):
     ran = os.listdir(tmp_path / "sw" / "private" / "runs")
     assert len(ran) == 1  # refused after the first trial, before the others
     assert not os.path.exists(tmp_path / "sw" / "released")
+
+
+def _selection_sweep(tmp_path, metric, trainer=None, data=None, selection=None):
+    """A private-selection sweep file over the learning rate of a tiny real DP configuration."""
+    base = {"trainer": {"rounds": 2, "batch_size": 16, "enable_progress_bar": False, "enable_summary": False,
+                        "test_after_fit": True, "algorithm": DP, **(trainer or {})},
+            "model": {"class_path": "dpfl_lightning.models.MLPClassifier",
+                      "init_args": {"in_features": 64, "hidden": [8], "num_classes": 10}},
+            "data": data or {"class_path": "dpfl_lightning.data.Digits", "init_args": {"num_clients": 8}}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"name": "tiny", "method": "grid", "metric": {"name": metric, "goal": "maximize"},
+            "private_selection": selection or {"distribution": "poisson", "mean": 2},
+            "command": ["${interpreter}", "-m", "dpfl_lightning", "fit", "--config", str(tmp_path / "base.yaml"),
+                        "${args}"], "parameters": {"model.init_args.lr": {"values": [0.1, 0.5]}}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    return str(tmp_path / "sweep.yaml")
+
+
+def test_a_dry_run_prints_the_plan_and_draws_trains_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """dpfl sweep --dry_run true on a real configuration: the plan, and no folder; then (fake trials,
+    fast) a real run after a dry run draws its trials afresh."""
+    from dpfl_lightning.cli import command as cli
+
+    drawn = []
+    monkeypatch.setattr(rng, "new_secret", lambda: drawn.append(1) or FIXED)
+    path = _selection_sweep(tmp_path, "test_acc")
+    out = tmp_path / "sw"
+    cli.main(["sweep", path, "--dir", str(out), "--dry_run", "true"])
+    printed = capsys.readouterr().err
+    assert not out.exists() and not drawn  # nothing written, no secret drawn (so no K)
+    assert "dpfl sweep: plan: the number of trials K: poisson number of trials (mean 2): K >= 0, median 2, " \
+           "P[K > 5] < 5%; P[K = 0] = 0.135" in printed  # Poisson(2): P[K > 5] = 0.017, P[K > 4] = 0.053
+    assert "model.init_args.lr=0.1; model.init_args.lr=0.5" in printed
+    assert "dpfl sweep: guarantee: selected result: epsilon = " in printed
+    assert "nothing was drawn, trained or written; a real run draws K and the trials from a fresh secret" in printed
+    assert "trial-<drawn>" in printed and "--trainer.seed=<drawn>" in printed
+    assert sorted(os.listdir(tmp_path)) == ["base.yaml", "sweep.yaml"]  # no runs/, lightning_logs/, ... either
+
+    fake = write_sweep(tmp_path, {"model.init_args.lr": {"values": [0.1, 0.3]}}, {"distribution": "poisson", "mean": 3})
+    info, console = run_private(fake, tmp_path / "fake", seed=1, dry_run=True)
+    assert info["result"] == "dry run" and not (tmp_path / "fake").exists() and not drawn
+    info, _ = run_private(fake, tmp_path / "fake", seed=1)
+    assert len(drawn) == 1 and info["result"] in ("selected", "nothing")  # drawn once, by the real run
+    _, console = run_private(fake, tmp_path / "fake", seed=1, dry_run=True)
+    assert "a real run resumes the trials already drawn" in console and len(drawn) == 1
+
+
+def test_a_metric_of_the_clients_data_is_refused_before_any_training(tmp_path, capsys):
+    """The set-up says what a DP run will release: a metric that is neither a plugin's DP release nor
+    an evaluation on the server's sets is refused before anything is drawn, trained or written."""
+    from dpfl_lightning.cli import command as cli
+    from dpfl_lightning.cli.selection_metric import metric_refusal_at_setup
+
+    for metric in ("train_loss", "round_time_s"):
+        path = _selection_sweep(tmp_path, metric, trainer={"log_client_metrics": True})
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["sweep", path, "--dir", str(tmp_path / "sw")])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"sweep metric.name='{metric}': may not select among DP runs" in err and "computed from the clients' " \
+               "data without noise" in err and "val_acc" in err.split("Fix:")[1]  # the fix names what may select
+        assert sorted(os.listdir(tmp_path)) == ["base.yaml", "sweep.yaml"]  # no trial, no state, no folder
+    args = ["--config", str(tmp_path / "base.yaml")]
+    assert metric_refusal_at_setup(args, "p", "test_acc") is None  # the server's test set (test_after_fit)
+    assert metric_refusal_at_setup(args, "p", "val_loss") is None
+    assert metric_refusal_at_setup(args, "p", "snr") is None  # GaussianNoise's noised release
+    why, fix = metric_refusal_at_setup(args + ["--trainer.test_after_fit=false"], "p", "test_acc")
+    assert "test_after_fit" in why and "trainer.test_after_fit: true" in fix
+    # evaluation sets drawn from the clients' own records: no evaluation may select
+    _selection_sweep(tmp_path, "test_acc", data={"class_path": "dpfl_lightning.data.SyntheticLogistic",
+                                                 "init_args": {"num_clients": 8, "samples_per_client": 20,
+                                                               "test_samples_per_client": 5, "dim": 64}})
+    why, fix = metric_refusal_at_setup(args, "p", "test_acc")
+    assert "test_set_from_clients" in why and "epsilon" in fix
+    assert metric_refusal_at_setup(args, "p", "epsilon") is None
 
 
 def _fit_sweep(tmp_path, algorithm, metric, extra=None):
@@ -330,7 +436,7 @@ def test_wandb_sweep_gets_the_drawn_count_and_random_draws_from_the_grid(tmp_pat
 
 
 # ------------------------------------------------------------------------------ one real sweep
-def test_a_real_private_selection_sweep_and_its_report(tmp_path):
+def test_a_real_private_selection_sweep_and_its_report(tmp_path, capsys):
     selection = {"distribution": "poisson", "mean": 2}
     seed, _ = seed_with_count(selection, lambda k: k == 1)
     base = {"trainer": {"rounds": 2, "batch_size": 16, "enable_progress_bar": False, "enable_summary": False,
@@ -359,3 +465,31 @@ def test_a_real_private_selection_sweep_and_its_report(tmp_path):
     report = write_report(str(tmp_path / "sw"), "test_acc", privacy=sweep_command.report_privacy)
     assert report["privacy"]["selected"] == pytest.approx(g["epsilon_selected"])
     assert [r.label for r in report["groups"][0].runs] == ["selected"]  # only the released run is read
+
+    # dpfl report SWEEP/released (what a user publishes): the selection's guarantee, not the run's own ledger
+    from dpfl_lightning.cli import command as cli
+    from dpfl_lightning.tracking.run_files import read_metrics
+
+    released = tmp_path / "sw" / "released"
+    (metrics_csv,) = released.glob("runs/selected/version_*/metrics.csv")
+    own = read_metrics(str(metrics_csv))[-1]["epsilon"]  # the released run's ledger: the selection left out
+    assert f"{own:.4g}" != f"{g['epsilon_selected']:.4g}"
+    for target in (released, released / "runs" / "selected"):
+        capsys.readouterr()
+        cli.main(["report", str(target), "--out", str(tmp_path / "rep")])
+        printed = capsys.readouterr().out
+        line = (f"guarantee of the private selection: epsilon = {g['epsilon_selected']:.4g} at delta = "
+                f"{g['delta']:g} (client-level, {g['audience']}")
+        assert line in printed and line in (tmp_path / "rep" / "summary.md").read_text()
+        assert "| configuration | seeds | rounds | test_acc |" in printed  # no column of the run's own epsilon
+        assert "all 1 runs" not in printed
+        assert f"| the selected result: guarantee of the private selection (the selection included) | " \
+               f"{g['epsilon_selected']:.4g} |" in printed
+        plots = sorted(os.listdir(tmp_path / "rep"))
+        assert "test_acc_vs_epsilon_tuned.png" in plots and "test_acc_vs_epsilon.png" not in plots, plots
+        assert "| model.init_args.lr | " in printed and "| selected |" in printed
+    report = write_report(str(released), out=str(tmp_path / "rep2"))  # no planner needed: selection.json says it
+    assert report["privacy"]["tuned"] == g["epsilon_selected"] and report["epsilons"] == []
+    report = write_report(str(released), epsilon="epsilon", out=str(tmp_path / "rep3"))  # asked for: the run's own
+    assert "(the run's own ledger, the selection left out)" in open(report["table"]).read()
+    assert any(p.endswith("test_acc_vs_epsilon.png") for p in report["plots"])

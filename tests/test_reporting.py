@@ -250,3 +250,40 @@ def test_a_mixed_directory_labels_its_configurations_briefly_and_keys_them_in_th
     for g in groups:
         assert f"- {g.short.split(' ')[0]} {g.label}\n" in text  # the key: number -> the whole label
         assert f"| {g.short} |" in text and f"| {g.label} |" not in text
+
+
+def test_constant_metrics_are_tabled_not_plotted_and_display_settings_never_label_a_configuration(tmp_path, drawn):
+    """A DP-FedAvg sweep over lr logs its fixed clip norm and noise level every round: a plot of
+    them against rounds or epsilon would be flat lines. Runs that differ in a display or logging
+    setting only (progress bar, test after fit) are one configuration."""
+    root = str(tmp_path / "runs")
+    for lr in (0.1, 0.3):
+        for seed, bar in ((0, True), (1, False)):
+            config = {"trainer": {"seed": seed, "enable_progress_bar": bar, "test_after_fit": bar,
+                                  "log_client_metrics": bar},
+                      "model": {"init_args": {"lr": lr}}, "privacy": {"delta": 1e-6, "epsilons": EPSILONS}}
+            rows = [{"round": r, "epsilon": 0.5 * r, "clip_norm": 1.0, "noise_std": 2.5,
+                     "distance_to_optimum": lr / r + seed} for r in (1, 2, 3)]
+            _write_run(root, f"lr{lr}_s{seed}", config, rows)
+    result = write_report(root)
+    assert sorted(result["metrics"]) == ["clip_norm", "distance_to_optimum", "noise_std"]  # none preferred: all, tabled
+    assert sorted(drawn) == ["distance_to_optimum_vs_epsilon.png", "distance_to_optimum_vs_round.png",
+                             "epsilon_vs_round.png"]
+    assert sorted(os.path.basename(p) for p in result["plots"]) == sorted(drawn)
+    with open(result["table"]) as f:
+        text = f.read()
+    assert "Not plotted (one value in every run and round): `clip_norm` = 1, `noise_std` = 2.5." in text
+    assert sorted(g.label for g in result["groups"]) == ["lr=0.1", "lr=0.3"]  # two configurations, two seeds each
+    assert all(len(g.counted) == 2 for g in result["groups"])
+    assert "enable_progress_bar" not in text and "test_after_fit" not in text and "log_client_metrics" not in text
+    # a sweep directory: its own metric by default, and a requested constant is tabled only
+    sweep_dir = tmp_path / "sweep"
+    os.makedirs(sweep_dir)
+    os.rename(root, sweep_dir / "runs")
+    (sweep_dir / "sweep.yaml").write_text(yaml.safe_dump({"metric": {"name": "distance_to_optimum",
+                                                                    "goal": "minimize"}}))
+    drawn.clear()
+    assert write_report(str(sweep_dir))["metrics"] == ["distance_to_optimum"]
+    result = write_report(str(sweep_dir), metric="noise_std", out=str(tmp_path / "r2"))
+    assert [os.path.basename(p) for p in result["plots"]] == ["epsilon_vs_round.png"]
+    assert "| noise_std |" in open(result["table"]).read()

@@ -302,7 +302,9 @@ def sweep_parser() -> ArgumentParser:
     p.add_argument("--count", type=int | None, default=None,
                    help="random search: number of runs (default: run_cap of the file); grid: run at most this many")
     p.add_argument("--seed", type=int, default=0, help="random search: seed of the parameter draws")
-    p.add_argument("--dry_run", type=bool, default=False, help="print the commands, run nothing")
+    p.add_argument("--dry_run", type=bool, default=False,
+                   help="print the commands, run nothing (a private selection: its plan and guarantee; nothing "
+                        "drawn, trained or written)")
     p.add_argument("--private_selection", type=dict | None, default=None,
                    help="private selection (Papernot & Steinke): e.g. '{distribution: poisson, mean: 8}' (also "
                         "geometric, logarithmic, truncated_negative_binomial with shape); overrides the file's")
@@ -324,12 +326,14 @@ def report_parser() -> ArgumentParser:
     p.add_argument("runs_dir", type=str, help="directory searched for <run>/version_N/metrics.csv "
                                               "(a sweep directory: its runs/)")
     p.add_argument("--metric", type=str | None, default=None,
-                   help="metric(s) to report, comma-separated (default: the first of test_acc, val_acc, "
-                        "test_loss, val_loss, ... that was logged; else all)")
+                   help="metric(s) to report, comma-separated (default: the sweep's metric; else the first of "
+                        "test_acc, val_acc, test_loss, val_loss, ... that was logged; else all). A metric with one "
+                        "value in every run and round is tabled, not plotted")
     p.add_argument("--epsilon", type=str | None, default=None,
                    help="the guarantee(s) to plot against, comma-separated epsilon columns (epsilon, "
                         "epsilon_client_distributed_models, ...; default: every one the runs logged), or tuned: "
-                        "the tuned result at the epsilon that includes its tuning")
+                        "the tuned result at the epsilon that includes its tuning (the default for a private "
+                        "selection's release, whose guarantee its selection.json gives)")
     p.add_argument("--out", type=str | None, default=None, help="output directory (default: RUNS_DIR/report)")
     return p
 

@@ -30,6 +30,13 @@ def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: floa
     calibration) and return the ledger, without laying out the model or any training. ``model``
     (the user's module, as configured) gives the parameter count ``d`` that some mechanisms scale
     with (CDP-FedEXP's xi); without it they refuse to plan."""
+    return plan_setup(trainer, data, accountant, delta, model)[2]
+
+
+def plan_setup(trainer: Any, data: Any, accountant: str | None = None, delta: float | None = None,
+               model: Any = None) -> tuple[list, Any, PrivacyLedger]:
+    """:func:`plan_run`'s set-up: the run's plugins after their ``setup``, the set-up context they
+    saw, and the ledger."""
     from dpfl_lightning.comm import LocalCommunicator
     from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
     from dpfl_lightning.run.setup import prepare_privacy, setup_plugins
@@ -45,7 +52,8 @@ def plan_run(trainer: Any, data: Any, accountant: str | None = None, delta: floa
         ledger.delta = delta
     d = sum(p.numel() for p in model.parameters()) if model is not None else 0
     ctx = prepare_privacy(trainer.settings, trainer.comm or LocalCommunicator(), data, num_parameters=d or None)
-    return setup_plugins(plugins, ctx)[1] or PrivacyLedger()
+    plugins, ledger = setup_plugins(plugins, ctx)
+    return plugins, ctx, ledger or PrivacyLedger()
 
 
 def _print_epsilon(trainer: Any, ledger: PrivacyLedger) -> None:

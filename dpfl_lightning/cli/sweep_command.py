@@ -17,15 +17,11 @@ from dpfl_lightning.tracking.sweep_privacy import RunPrivacy
 NOISE_SETTING = "trainer.algorithm.init_args.noise_multiplier"
 
 
-def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = None,
-             noise_setting: str = NOISE_SETTING) -> RunPrivacy | None:
-    """The :class:`RunPrivacy` of ``dpfl fit ARGUMENTS`` after ``rounds`` rounds (default: the
-    configured ones), or ``None`` for a run without DP: its privacy ledger's main guarantee, one
-    trial per profile. Builds the configured trainer, data and model (imports torch), trains nothing."""
+def configured(arguments: Sequence[str], label: str = "") -> tuple[Any, Any, Any]:
+    """``dpfl fit ARGUMENTS`` parsed and built: ``(config, instantiated objects, federated data)``;
+    trains nothing (imports torch)."""
     from dpfl_lightning.cli.parsers import fit_parser
-    from dpfl_lightning.cli.privacy_command import plan_run
     from dpfl_lightning.cli.run_objects import federated_data
-    from dpfl_lightning.privacy.selection_accounting import Trial
 
     parser = fit_parser()
     try:
@@ -34,7 +30,18 @@ def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = Non
         raise ConfigError("sweep configuration", label or " ".join(arguments), "is not a valid dpfl fit "
                           "configuration", "check it with dpfl fit ... --print_config") from exc
     init = parser.instantiate_classes(cfg)
-    data = federated_data(init.data, cfg.split)
+    return cfg, init, federated_data(init.data, cfg.split)
+
+
+def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = None,
+             noise_setting: str = NOISE_SETTING) -> RunPrivacy | None:
+    """The :class:`RunPrivacy` of ``dpfl fit ARGUMENTS`` after ``rounds`` rounds (default: the
+    configured ones), or ``None`` for a run without DP: its privacy ledger's main guarantee, one
+    trial per profile. Builds the configured trainer, data and model (imports torch), trains nothing."""
+    from dpfl_lightning.cli.privacy_command import plan_run
+    from dpfl_lightning.privacy.selection_accounting import Trial
+
+    cfg, init, data = configured(arguments, label)
     ledger = plan_run(init.trainer, data, model=init.model)
     if not ledger.guarantees:
         return None
@@ -77,8 +84,10 @@ def _composable(release: Any, steps: int, label: str) -> tuple[Any, int]:
 
 def run_sweep(cfg: Any, out: Any = None) -> int:
     """``dpfl sweep``: a private selection when the file or ``--private_selection`` asks for it
-    (exit 0 when it released, or released nothing because K = 0; 1 when a trial failed), else every
-    configuration (:func:`dpfl_lightning.tracking.sweep.run_from_cli`)."""
+    (exit 0 when it released, or released nothing because K = 0, or printed its plan under
+    ``--dry_run``; 1 when a trial failed), else every configuration
+    (:func:`dpfl_lightning.tracking.sweep.run_from_cli`). A private selection's metric is checked
+    on every point's set-up before anything is drawn (:mod:`dpfl_lightning.cli.selection_metric`)."""
     from dpfl_lightning.tracking import sweep as sweeps
 
     out = out or sys.stderr
@@ -94,23 +103,32 @@ def run_sweep(cfg: Any, out: Any = None) -> int:
         return sweeps.run_from_cli(cfg)
     from dpfl_lightning.tracking import private_sweep
 
+    from dpfl_lightning.cli.selection_metric import refuse_metric_at_setup
+
     count = private_sweep.selection_setting(sweep, selection)
     setting = getattr(cfg, "noise_setting", None) or NOISE_SETTING
     options = private_sweep.Options(
         directory=cfg.dir or os.path.join("sweeps", sweep.name),
         planner=lambda args, label: plan_fit(args, label, noise_setting=setting), seed=cfg.seed, jobs=cfg.jobs,
         mpi=cfg.mpi, target_epsilon=getattr(cfg, "target_epsilon", None), delta=getattr(cfg, "delta", None),
-        noise_setting=setting, wandb=bool(getattr(cfg, "wandb", False)))
+        noise_setting=setting, wandb=bool(getattr(cfg, "wandb", False)), check_metric=refuse_metric_at_setup,
+        dry_run=bool(getattr(cfg, "dry_run", False)))
     info = private_sweep.run_private(sweep, count, options, out)
     return 1 if info is None else 0
 
 
 def report_privacy(runs: list[Any], sweep_dir: str) -> dict[str, Any] | None:
     """The epsilons of what a sweep of DP runs releases, for ``dpfl report``: one run (the largest of
-    its runs), every run composed (``dp_accounting`` through ``selection_accounting``), and, for a
-    private-selection sweep, the selected result's (its ``released/selection.json``). ``None`` when
-    no run is a DP run. Each run's trial is planned from its saved ``config.yaml`` at the rounds it
-    logged."""
+    its runs) and every run composed (``dp_accounting`` through ``selection_accounting``), each run's
+    trial planned from its saved ``config.yaml`` at the rounds it logged; for a private selection's
+    release (the sweep's directory, its ``released/`` or a folder in it), the guarantee its
+    ``selection.json`` gives (:func:`~dpfl_lightning.tracking.report.release_privacy`). ``None``
+    when no run is a DP run."""
+    from dpfl_lightning.tracking.report import private_release, release_privacy
+
+    release = private_release(sweep_dir)
+    if release is not None:  # what a private selection released carries the selection's guarantee
+        return release_privacy(release)
     from dpfl_lightning.privacy.selection_accounting import all_runs_epsilon, one_run_epsilon
     from dpfl_lightning.tracking.sweep_privacy import config_arguments
 
@@ -132,15 +150,7 @@ def report_privacy(runs: list[Any], sweep_dir: str) -> dict[str, Any] | None:
            "one_run": one_run_epsilon(trials, delta, accountant).epsilon,
            "all_runs": all_runs_epsilon([max(p.trials, key=lambda t: t.rdp().max()) for p in planned], delta,
                                         accountant).epsilon}
-    selection = os.path.join(sweep_dir, "released", "selection.json")
-    if os.path.isfile(selection):
-        import json
-
-        with open(selection) as f:
-            g = json.load(f)["guarantee"]
-        out.update(selected=g["epsilon_selected"], all_runs=g["epsilon_all_runs"], grid_runs=g["grid_runs"],
-                   delta=g["delta"], one_run=g["epsilon_one_run"], audience=f"{g['granularity']}-level, {g['audience']}")
-    out["tuned"] = out.get("selected", out["all_runs"])
+    out["tuned"] = out["all_runs"]
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else float("inf")) for k, v in out.items()}
 
 

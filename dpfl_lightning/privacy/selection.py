@@ -217,6 +217,20 @@ def quantile(count: TrialCount, v: np.ndarray | float) -> np.ndarray:
     return ks[np.searchsorted(-survival, -v, side="right")]
 
 
+def describe_trial_count(count: TrialCount) -> str:
+    """The distribution of ``K`` in words, for a plan made before drawing: its support, median and
+    95th percentile (from :func:`quantile`) and, for Poisson, ``P[K = 0]`` (a draw that releases
+    nothing)."""
+    count = trial_count(count)
+    if count.point_mass:
+        return f"{count.describe()}: K = 1 always (one run, no selection)"
+    median, high = int(quantile(count, 0.5)), int(quantile(count, 0.05))
+    text = f"{count.describe()}: K >= {count.minimum}, median {median}, P[K > {high}] < 5%"
+    if count.distribution == "poisson":
+        text += f"; P[K = 0] = {math.exp(-count.mean):.3g} (then nothing is released)"
+    return text
+
+
 def draw_trial_count(source: rng.RandomSource, count: TrialCount | Mapping) -> int:
     """The sweep's number of trials ``K``, from the keyed stream ``(0, SERVER_CLIENT, TRIALS,
     tag="count")`` of ``source`` (the CSPRNG in secure mode). ``0`` (Poisson) releases nothing."""
@@ -248,5 +262,5 @@ def draw_trial_points(source: rng.RandomSource, trials: int, points: int) -> lis
     return [draw_trial_point(source, t, points) for t in range(trials)]
 
 
-__all__ = ["DISTRIBUTIONS", "MAX_MEAN", "TRIALS", "TrialCount", "trial_count", "quantile", "draw_trial_count",
-           "draw_trial_point", "draw_trial_points"]
+__all__ = ["DISTRIBUTIONS", "MAX_MEAN", "TRIALS", "TrialCount", "trial_count", "quantile", "describe_trial_count",
+           "draw_trial_count", "draw_trial_point", "draw_trial_points"]

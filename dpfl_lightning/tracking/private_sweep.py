@@ -27,15 +27,21 @@ A sweep file asks for it with ``private_selection: {distribution: poisson, mean:
 4. **The trials** are ordinary ``dpfl fit`` runs under ``private/`` (``runs/``, ``logs/``, ``done/``,
    the progress lines in ``private/progress.log``); they do not log to W&B (``WANDB_MODE=disabled``:
    the W&B server would learn ``K`` and every trial) unless the sweep runs through W&B
-   (``--wandb``). The console shows neither ``K`` nor any trial's result while they run. The first
-   trial to finish has its metric checked (it must be a release the guarantee allows:
-   :func:`~dpfl_lightning.tracking.sweep_privacy.metric_refusal`).
+   (``--wandb``). The console shows neither ``K`` nor any trial's result while they run. The metric
+   must be a release the guarantee allows: checked on every point's set-up before anything is drawn
+   (``Options.check_metric``: :mod:`dpfl_lightning.cli.selection_metric`), and on the kinds the
+   first trial to finish recorded (:func:`~dpfl_lightning.tracking.sweep_privacy.metric_refusal`).
 5. **The release**, in ``released/``: the best trial by the metric (``runs/selected/``: its logs,
-   configuration and checkpoints), ``selection.json`` and ``summary.md`` (its hyperparameters, its
+   configuration and checkpoints), ``selection.json`` and ``summary.md`` (its hyperparameters: those
+   selected, those fixed for every trial, those calibrated; never a display or logging setting; its
    metric, the guarantee of the selected result, and for comparison the epsilon of one run and of
    releasing every run of a grid of the mean number of trials). ``K`` and the other trials are not
    released: the pair (``K``, best result) is not covered by the theorems. ``K = 0`` (Poisson)
    releases nothing and says so; that outcome is part of the mechanism.
+
+``--dry_run`` stops after step 2: it prints the guarantee and the plan (the distribution of ``K``,
+the points, a trial's command, where the trials and the release would go) and draws, trains and
+writes nothing, so the real run that follows draws ``K`` afresh.
 """
 
 from __future__ import annotations
@@ -51,12 +57,12 @@ from typing import Any, Callable, Sequence
 
 from dpfl_lightning import rng
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.privacy.selection import (TRIALS, TrialCount, draw_trial_count, draw_trial_points,
-                                              trial_count)
+from dpfl_lightning.privacy.selection import (TRIALS, TrialCount, describe_trial_count, draw_trial_count,
+                                              draw_trial_points, trial_count)
 from dpfl_lightning.privacy.selection_accounting import (SelectedEpsilon, Trial, all_runs_epsilon, one_run_epsilon,
                                                          selected_epsilon)
 from dpfl_lightning.tracking import sweep as sweeps
-from dpfl_lightning.tracking.run_files import final_metric
+from dpfl_lightning.tracking.run_files import final_metric, is_model_setting
 from dpfl_lightning.tracking.sweep_privacy import RunPrivacy, fit_arguments, metric_refusal
 
 STATE = "selection_state.json"
@@ -288,8 +294,8 @@ def release(sweep: sweeps.Sweep, directory: str, space: Space, state: dict[str, 
         # file contents only: copied times would date the selected trial against the sweep's end,
         # a lower bound on how many trials ran after it
         shutil.copytree(os.path.join(private_dir, "runs", t["name"]), selected, copy_function=shutil.copyfile)
-        info.update(result="selected", value=value, parameters={**space.points[t["point"]], **extra},
-                    label=space.labels[t["point"]])
+        info.update(result="selected", value=value, label=space.labels[t["point"]],
+                    **selected_parameters(sweep, space.points[t["point"]], extra))
     else:
         # one text whatever the cause: K = 0, or K >= 1 trials none of which logged a finite metric
         # (a divergence that depends on the data); which one it was stays in private/
@@ -302,6 +308,18 @@ def release(sweep: sweeps.Sweep, directory: str, space: Space, state: dict[str, 
         f.write(summary_markdown(info))
     _one_time(out_dir)
     return info
+
+
+def selected_parameters(sweep: sweeps.Sweep, point: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """What ``selection.json`` says of the selected trial's settings: ``parameters``, the settings of
+    its point that define the model (a display or logging setting the sweep file fixes, such as
+    ``trainer.enable_progress_bar``, is no hyperparameter: ``run_files.NOT_MODEL_SETTINGS``) and the
+    calibrated ones; ``selected``, those of them drawn from several values (the others are fixed for
+    every trial); ``calibrated``, those ``--target_epsilon`` set."""
+    constant = set(sweeps.constant_parameters(sweep))
+    parameters = {k: v for k, v in point.items() if is_model_setting(k)}
+    return {"parameters": {**parameters, **extra}, "selected": [k for k in parameters if k not in constant],
+            "calibrated": list(extra)}
 
 
 def _one_time(root: str) -> None:
@@ -320,8 +338,10 @@ def summary_markdown(info: dict[str, Any]) -> str:
     lines = [f"# Private-selection sweep: {info['sweep']}", ""]
     if info["result"] == "selected":
         lines += [f"Selected result (the best trial by `{info['metric']}`, goal {info['goal']}): "
-                  f"**{info['metric']} = {info['value']:.4g}**", "", "| parameter | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in info["parameters"].items()]
+                  f"**{info['metric']} = {info['value']:.4g}**", "", "| parameter | value | |", "|---|---|---|"]
+        selected, calibrated = info.get("selected", []), info.get("calibrated", [])
+        lines += [f"| {k} | {v} | {'selected' if k in selected else 'calibrated' if k in calibrated else 'fixed'} |"
+                  for k, v in info["parameters"].items()]
         lines += ["", "Its logs, configuration and checkpoints: `runs/selected/`.", ""]
     else:
         lines += [f"**Nothing is released**: {info['why']}. This outcome is part of the mechanism (its guarantee "
@@ -437,11 +457,16 @@ class Options:
     delta: float | None = None
     noise_setting: str = "trainer.algorithm.init_args.noise_multiplier"
     wandb: bool = False
+    #: ``check_metric(fit arguments, label, metric)`` raises the ConfigError of a metric that may not
+    #: select, from a point's set-up (``cli.selection_metric``); ``None``: judged after the first trial only
+    check_metric: Callable[[Sequence[str], str, str], None] | None = None
+    dry_run: bool = False  # print the plan: nothing drawn, trained or written
 
 
-def run_private(sweep: sweeps.Sweep, count: TrialCount, options: Options, out: Any) -> dict[str, Any] | None:
-    """Run a private-selection sweep (the module docstring); returns what ``selection.json`` holds,
-    or ``None`` when a trial failed (rerun the sweep: it resumes the same trials)."""
+def plan_selection(sweep: sweeps.Sweep, count: TrialCount, options: Options) -> tuple[Space, dict[str, Any], Guarantee]:
+    """Everything a private selection knows before it draws: the space, each point planned, the
+    calibrated settings (``--target_epsilon``), the guarantee, and the metric checked on every
+    point's set-up (``options.check_metric``). Draws, trains and writes nothing."""
     space = space_of(sweep)
     extra: dict[str, Any] = {}
     plan_space(sweep, space, options.planner, extra)
@@ -452,11 +477,61 @@ def run_private(sweep: sweeps.Sweep, count: TrialCount, options: Options, out: A
                                              options.noise_setting)
     guarantee = guarantee_of(space, count, options.delta)
     guarantee.calibration = calibration
+    if options.check_metric is not None:
+        for point, label in zip(space.points, space.labels):
+            options.check_metric(fit_arguments(sweeps.build_command(sweep, {**point, **extra})), label, sweep.metric)
+    return space, extra, guarantee
+
+
+def print_plan(sweep: sweeps.Sweep, space: Space, count: TrialCount, extra: dict[str, Any], options: Options,
+               out: Any) -> None:
+    """``--dry_run``: what a real run would draw and run, said without drawing (see :func:`run_private`)."""
+    private_dir = os.path.join(options.directory, "private")
+    point = {**space.points[0], **extra, "trainer.seed": "<drawn>"}
+    command = sweeps.build_command(sweep, point, mpi=options.mpi, log_dir=os.path.join(private_dir, "runs"),
+                                   name="trial-<drawn>")
+    state = os.path.join(private_dir, STATE)
+    if not os.path.isfile(state):
+        then = "draws K and the trials from a fresh secret"
+    elif _state_fingerprint(state) == _fingerprint(sweep, count, options.seed, extra):
+        then = f"resumes the trials already drawn in {private_dir} (it never draws again)"
+    else:
+        then = f"is refused: {private_dir} holds the trials of another private-selection sweep (use a new --dir)"
+    lines = [f"the number of trials K: {describe_trial_count(count)}",
+             f"each trial: one of the {len(space.points)} point(s), uniformly at random with replacement, with its own "
+             "seed and run name: " + "; ".join(space.labels),
+             f"a trial's command (point 1): {' '.join(sweeps.quote(c) for c in command)}",
+             f"the trials would run under {private_dir} (never release it); the selected result would be released in "
+             f"{os.path.join(options.directory, 'released')}",
+             f"dry run: nothing was drawn, trained or written; a real run {then}"]
+    for line in lines:
+        print(f"dpfl sweep: plan: {line}", file=out, flush=True)
+
+
+def _state_fingerprint(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return json.load(f).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def run_private(sweep: sweeps.Sweep, count: TrialCount, options: Options, out: Any) -> dict[str, Any] | None:
+    """Run a private-selection sweep (the module docstring); returns what ``selection.json`` holds,
+    or ``None`` when a trial failed (rerun the sweep: it resumes the same trials). With
+    ``options.dry_run``: the plan (the space, the distribution of ``K``, the guarantee, a trial's
+    command) is printed and ``{"result": "dry run", ...}`` returned; ``K`` is not drawn, no trial
+    runs and nothing is written (a later real run draws afresh)."""
+    space, extra, guarantee = plan_selection(sweep, count, options)
     print(f"dpfl sweep {sweep.name}: private selection over {len(space.points)} point(s), {count.describe()}; "
           f"the number of trials and their results stay in {os.path.join(options.directory, 'private')} "
           "(never release it)", file=out, flush=True)
     for line in guarantee.lines():
         print(f"dpfl sweep: guarantee: {line}", file=out, flush=True)
+    if options.dry_run:
+        print_plan(sweep, space, count, extra, options, out)
+        return {"sweep": sweep.name, "metric": sweep.metric, "goal": sweep.goal, "guarantee": guarantee.as_dict(),
+                "result": "dry run", "why": "--dry_run: nothing was drawn or trained"}
     private_dir = os.path.join(options.directory, "private")
     fingerprint = _fingerprint(sweep, count, options.seed, extra)
     state = load_or_draw(private_dir, fingerprint, options.seed, count, len(space.points))

@@ -2,8 +2,9 @@
 
 Every ``metrics.csv`` below ``RUNS_DIR`` is a run (for a sweep's directory, the ones under its
 ``runs/``), with the ``hparams.yaml`` next to it. Runs are grouped by their configuration minus the
-seeds (every ``seed`` key and ``seed_everything``, and what only names or places a run: run name,
-log and checkpoint directories, loggers, threads, progress bar). Only distinct seeds are averaged:
+seeds (every ``seed`` key and ``seed_everything``, and what only names, places, shows or logs a run:
+run name, log and checkpoint directories, loggers, threads, progress bar, ...:
+``run_files.NOT_MODEL_SETTINGS``). Only distinct seeds are averaged:
 of runs of a group with the same seeds (the same configuration run twice) the newest counts, and
 the table says which were left out. Written to ``--out`` (default ``RUNS_DIR/report``), each file
 named after what it plots:
@@ -20,9 +21,20 @@ named after what it plots:
   logged value), mean and standard deviation (sample, ``n - 1``) over the distinct seeds of each
   group, then one row per run.
 
+The metrics: ``--metric``, else the sweep's own (its ``sweep.yaml``, a private selection's
+``selection.json``), else the first of :data:`PREFERRED` logged, else every one logged. A metric
+with one value in every run and round (a clip norm or noise level the settings fix) is not plotted:
+its plots would be flat lines; the tables keep it, and ``summary.md`` says it was left out.
+
 Every epsilon axis and column says which guarantee it is: granularity, audience ("towards the
 server", "towards anyone who sees the models") and delta, from the privacy settings each run saved
 in its ``hparams.yaml``.
+
+A private selection's release (``dpfl sweep``'s ``SWEEP/released``, the sweep's directory, or a
+folder below ``released/runs``) is reported with the guarantee of the private selection, read from
+its ``selection.json``: ``summary.md`` says it first, with the selected hyperparameters, and the
+metric is plotted against it (``<metric>_vs_epsilon_tuned.png``), not against the released run's
+own ledger, which leaves the selection out (its columns only when ``--epsilon`` names them).
 """
 
 from __future__ import annotations
@@ -39,16 +51,13 @@ from typing import Any
 import yaml
 
 from dpfl_lightning.errors import ConfigError
-from dpfl_lightning.tracking.run_files import read_metrics, short_keys
+from dpfl_lightning.tracking.run_files import is_model_setting, read_metrics, short_keys
 
+SELECTION = "selection.json"  # what a private-selection sweep releases with its run (tracking.private_sweep)
 #: default metric: the first of these that any run logged (else every metric)
 PREFERRED = ("test_acc", "val_acc", "test_accuracy", "val_accuracy", "accuracy", "acc", "test_loss", "val_loss",
              "suboptimality", "loss")
 _BOOKKEEPING = ("round", "step", "round_time_s", "clients", "skipped_clients")
-#: configuration keys that name or place a run rather than define it (besides any ``seed``)
-_NOT_CONFIG = ("trainer.run_name", "trainer.log_dir", "trainer.checkpoint_dir", "trainer.checkpoint_every",
-               "trainer.loggers", "trainer.enable_progress_bar", "trainer.enable_summary", "trainer.num_threads",
-               "privacy")
 #: the longest label a plot shows (a legend entry, a line of an axis label): a mixed directory's
 #: configurations differ in many settings, and their full labels would run off the image; longer
 #: ones are numbered and cut with an ellipsis (the full text in summary.md, under its number)
@@ -70,7 +79,10 @@ def _is_seed_key(key: str) -> bool:
 
 
 def _is_run_key(key: str) -> bool:
-    return _is_seed_key(key) or any(key == k or key.startswith(k + ".") for k in _NOT_CONFIG)
+    """A key that names, places or shows a run rather than defines it: a seed, a setting that never
+    changes the model (:data:`~dpfl_lightning.tracking.run_files.NOT_MODEL_SETTINGS`), the privacy
+    statement the run wrote of itself."""
+    return _is_seed_key(key) or not is_model_setting(key) or key == "privacy" or key.startswith("privacy.")
 
 
 @dataclass
@@ -155,18 +167,74 @@ class Group:
                 newest[key] = run
 
 
-def find_runs(runs_dir: str) -> list[Run]:
-    """Every run below ``runs_dir`` (a sweep directory: below its ``runs/``)."""
-    if not os.path.isdir(runs_dir):
-        raise ConfigError("report RUNS_DIR", runs_dir, "no such directory", "give the directory holding the runs")
-    root = runs_dir
-    if os.path.isfile(os.path.join(runs_dir, "released", "selection.json")):  # private selection: what it released
-        root = os.path.join(runs_dir, "released", "runs")
+@dataclass
+class Release:
+    """What a private-selection sweep released (``released/``, as ``dpfl sweep`` writes it):
+    ``directory`` and its ``selection.json`` (the selected result's guarantee, metric and
+    hyperparameters)."""
+
+    directory: str
+    selection: dict[str, Any]
+
+    @property
+    def guarantee(self) -> dict[str, Any]:
+        return self.selection["guarantee"]
+
+    def line(self) -> str:
+        """The guarantee of what is released, said once for the report."""
+        g = self.guarantee
+        return (f"guarantee of the private selection: epsilon = {g['epsilon_selected']:.4g} at delta = "
+                f"{g['delta']:g} ({g['granularity']}-level, {g['audience']}; the selection included)")
+
+
+def private_release(runs_dir: str) -> Release | None:
+    """The release of a private-selection sweep that ``runs_dir`` is (the sweep's directory, its
+    ``released/``) or lies in (``released/runs``, ``released/runs/selected``, ...); ``None`` otherwise."""
+    here = os.path.realpath(runs_dir)
+    places = [os.path.join(runs_dir, "released"), runs_dir]
+    up = runs_dir
+    for _ in range(4):
+        up = os.path.join(up, os.pardir)
+        places.append(up)
+    for place in places:
+        path = os.path.join(place, SELECTION)
+        inside = os.path.realpath(os.path.join(place, "runs"))
+        if not os.path.isfile(path) or not (place in places[:2] or here == inside
+                                            or here.startswith(inside + os.sep)):
+            continue
+        try:
+            with open(path) as f:
+                selection = json.load(f)
+            selection["guarantee"]["epsilon_selected"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError("report RUNS_DIR", runs_dir, f"{path} is not a private selection's selection.json "
+                              f"({type(exc).__name__}: {exc})", "report the released/ folder dpfl sweep "
+                              "wrote, unchanged") from exc
+        return Release(os.path.normpath(place), selection)
+    return None
+
+
+def _runs_root(runs_dir: str, release: Release | None) -> str:
+    """Where the runs of ``runs_dir`` lie: a private selection's ``released/runs`` (or the part of
+    it asked for), a plain sweep's ``runs/``, else ``runs_dir`` itself."""
+    if release is not None:
+        root = os.path.join(release.directory, "runs")
         if not os.path.isdir(root):
             raise ConfigError("report RUNS_DIR", runs_dir, "is a private-selection sweep that released nothing "
-                              "(see its released/summary.md)", "report another sweep")
-    elif os.path.isfile(os.path.join(runs_dir, "sweep.yaml")) and os.path.isdir(os.path.join(runs_dir, "runs")):
-        root = os.path.join(runs_dir, "runs")
+                              f"(see {os.path.join(release.directory, 'summary.md')})", "report another sweep")
+        here = os.path.realpath(runs_dir)
+        return runs_dir if here.startswith(os.path.realpath(root) + os.sep) else root
+    if os.path.isfile(os.path.join(runs_dir, "sweep.yaml")) and os.path.isdir(os.path.join(runs_dir, "runs")):
+        return os.path.join(runs_dir, "runs")
+    return runs_dir
+
+
+def find_runs(runs_dir: str) -> list[Run]:
+    """Every run below ``runs_dir`` (a sweep directory: below its ``runs/``; a private selection's
+    sweep directory or ``released/``: below ``released/runs``)."""
+    if not os.path.isdir(runs_dir):
+        raise ConfigError("report RUNS_DIR", runs_dir, "no such directory", "give the directory holding the runs")
+    root = _runs_root(runs_dir, private_release(runs_dir))
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("wandb", "checkpoints", "report"))
@@ -261,9 +329,10 @@ def _natural(text: str) -> list[Any]:
     return parts
 
 
-def select_metrics(runs: list[Run], requested: str | list[str] | None = None) -> list[str]:
-    """``requested`` (comma-separated or a list), else the first of :data:`PREFERRED` that was
-    logged, else every logged metric but bookkeeping and epsilon."""
+def select_metrics(runs: list[Run], requested: str | list[str] | None = None, sweep_metric: str | None = None) -> list[str]:
+    """``requested`` (comma-separated or a list), else the sweep's metric when it was logged, else
+    the first of :data:`PREFERRED` that was logged, else every logged metric but bookkeeping and
+    epsilon."""
     logged: list[str] = []
     for run in runs:
         for row in run.rows:
@@ -271,10 +340,22 @@ def select_metrics(runs: list[Run], requested: str | list[str] | None = None) ->
     if requested:
         return _requested("report --metric", requested, logged,
                           ", ".join(k for k in logged if k not in _BOOKKEEPING))
-    for m in PREFERRED:
+    for m in ([sweep_metric] if sweep_metric else []) + list(PREFERRED):
         if m in logged:
             return [m]
     return [k for k in logged if k not in _BOOKKEEPING and not k.startswith("epsilon")]
+
+
+def constant_metrics(runs: list[Run], metrics: list[str]) -> dict[str, float]:
+    """The metrics of ``metrics`` logged more than once (over rounds and runs) with one value every
+    time (a clip norm, a noise level the settings fix), and that value: a plot of them is a flat
+    line, so they are not plotted (the tables keep them)."""
+    out = {}
+    for m in metrics:
+        values = [row[m] for r in runs for row in r.rows if m in row]
+        if len(values) > 1 and len({v for v in values if v == v}) == 1 and all(v == v for v in values):
+            out[m] = values[0]
+    return out
 
 
 def epsilon_columns(runs: list[Run], requested: str | list[str] | None = None) -> list[str]:
@@ -326,18 +407,44 @@ def _md_escape(s: str) -> str:
     return s.replace("|", "\\|")
 
 
-def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str], eps: list[str] | None = None) -> str:
-    """The Markdown table of final values (see the module docstring)."""
+def release_markdown(release: Release) -> list[str]:
+    """What a report of a private selection's release says first: the guarantee of what is released
+    and the selected hyperparameters (never a setting that does not change the model)."""
+    info = release.selection
+    lines = [f"Released by a private selection ({os.path.join(release.directory, SELECTION)}): "
+             f"**{release.line()}**. The run's own epsilon columns leave the selection out: they are not the "
+             "guarantee of what is released.", ""]
+    params = {k: v for k, v in (info.get("parameters") or {}).items() if is_model_setting(k)}
+    if info.get("result") == "selected" and params:
+        selected, calibrated = info.get("selected"), info.get("calibrated", [])
+        how = {k: "calibrated" if k in calibrated else "selected" if selected is None or k in selected else "fixed"
+               for k in params}
+        lines += [f"Hyperparameters of the selected result (the best trial by `{info.get('metric')}`, goal "
+                  f"{info.get('goal')}):", "", "| parameter | value | |", "|---|---|---|"]
+        lines += [f"| {_md_escape(k)} | {_md_escape(json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))}"
+                  f" | {how[k]} |" for k, v in params.items()] + [""]
+    return lines
+
+
+def summary_markdown(runs_dir: str, groups: list[Group], metrics: list[str], eps: list[str] | None = None,
+                     release: Release | None = None, constants: dict[str, float] | None = None) -> str:
+    """The Markdown table of final values (see the module docstring); ``release``: the private
+    selection whose release the runs are (its guarantee and hyperparameters first); ``constants``:
+    the metrics not plotted for having one value (:func:`constant_metrics`)."""
     runs = [r for g in groups for r in g.runs]
     eps = epsilon_columns(runs) if eps is None else eps
     cols = ["rounds"] + [k for k in eps if k not in metrics] + metrics
     repeats = [r for r in runs if r.repeat_of is not None]
-    lines = [f"# Report: {runs_dir}", "",
-             (f"{len(runs)} run(s) in {len(groups)} configuration(s). Final values (the last logged value of each "
-              "run); mean ± sample standard deviation over the distinct seeds of a configuration."), ""]
+    lines = [f"# Report: {runs_dir}", ""] + (release_markdown(release) if release is not None else [])
+    lines += [(f"{len(runs)} run(s) in {len(groups)} configuration(s). Final values (the last logged value of each "
+               "run); mean ± sample standard deviation over the distinct seeds of a configuration."), ""]
     if eps:
+        own = " (the run's own ledger, the selection left out)" if release is not None else ""
         lines += ["Epsilon columns (which guarantee each is):", ""]
-        lines += [f"- `{k}`: {guarantee_label(runs, k)}" for k in eps] + [""]
+        lines += [f"- `{k}`: {guarantee_label(runs, k)}{own}" for k in eps] + [""]
+    if constants:
+        lines += ["Not plotted (one value in every run and round): "
+                  + ", ".join(f"`{k}` = {v:.4g}" for k, v in constants.items()) + ".", ""]
     if repeats:
         lines += [f"Not averaged (the same seeds as a newer run of their configuration): "
                   f"{', '.join(f'{r.label} (as {r.repeat_of})' for r in repeats)}.", ""]
@@ -390,9 +497,10 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def _epsilon_axis(runs: list[Run], column: str) -> str:
-    """An epsilon axis label: the column, then its guarantee in lines of at most :data:`LABEL_MAX`."""
-    return f"{column}\n" + textwrap.fill(f"({guarantee_label(runs, column)})", LABEL_MAX, break_long_words=False)
+def _epsilon_axis(runs: list[Run], column: str, note: str = "") -> str:
+    """An epsilon axis label: the column, then its guarantee (and ``note``) in lines of at most
+    :data:`LABEL_MAX`."""
+    return f"{column}\n" + textwrap.fill(f"({guarantee_label(runs, column)}{note})", LABEL_MAX, break_long_words=False)
 
 
 class _Figures:
@@ -446,7 +554,12 @@ def _final_points(ax: Any, groups: list[Group], colors: list[Any], column: str, 
                         label=g.short)
 
 
-def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str] | None = None) -> list[str]:
+def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str] | None = None,
+                own_ledger: bool = False) -> list[str]:
+    """The plots over rounds and against each epsilon column (see the module docstring);
+    ``own_ledger``: the runs are a private selection's release, whose columns leave the selection
+    out (their axes say so)."""
+    own = "; the run's own ledger, the selection left out" if own_ledger else ""
     figures = _Figures(out)
     colors = _colors(len(groups))
     runs = [r for g in groups for r in g.runs]
@@ -462,7 +575,7 @@ def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str
     for column in eps:
         fig, ax = figures.new()
         _lines(ax, groups, colors, _over_rounds, column, "-")
-        ax.set(xlabel="round", ylabel=_epsilon_axis(runs, column), title=f"{column} vs round (privacy ledger)")
+        ax.set(xlabel="round", ylabel=_epsilon_axis(runs, column, own), title=f"{column} vs round (privacy ledger)")
         ax.grid(alpha=0.3)
         _legend(ax, len(groups))
         figures.save(fig, f"{_safe(column)}_vs_round.png")
@@ -477,7 +590,7 @@ def write_plots(groups: list[Group], metrics: list[str], out: str, eps: list[str
             fig, ax = figures.new()
             _lines(ax, groups, colors, along, shown, "-", faint=True)
             _final_points(ax, groups, colors, column, metric)
-            ax.set(xlabel=_epsilon_axis(runs, column), ylabel=metric)
+            ax.set(xlabel=_epsilon_axis(runs, column, own), ylabel=metric)
             title = f"final {metric} (mean ± std over seeds) vs {column}"
             if shown != metric:
                 title += f"\nlines: {shown} during training"
@@ -495,54 +608,87 @@ def write_report(runs_dir: str, metric: str | list[str] | None = None, out: str 
 
     ``privacy(runs, runs_dir)`` (``dpfl report`` passes ``cli.sweep_command.report_privacy``) gives the
     epsilons of what the sweep releases (:func:`privacy_markdown`); ``epsilon`` may then name
-    ``tuned``: the tuned result placed at the epsilon that includes its tuning (:func:`plot_tuned`)."""
+    ``tuned``: the tuned result placed at the epsilon that includes its tuning (:func:`plot_tuned`),
+    and only there when it names no epsilon column besides. A private selection's release (the
+    sweep's directory, its ``released/`` or a folder in it: :func:`private_release`) carries the
+    guarantee its ``selection.json`` gives, which the report says first and, unless ``epsilon``
+    names columns, is the only epsilon it plots against (``tuned``)."""
+    release = private_release(runs_dir) if os.path.isdir(runs_dir) else None
     runs = find_runs(runs_dir)
-    metrics = select_metrics(runs, metric)
+    sweep_name, goal = sweep_metric(runs_dir, release)
+    metrics = select_metrics(runs, metric, sweep_name)
+    constants = constant_metrics(runs, metrics)
+    plotted = [m for m in metrics if m not in constants]
     names = [e.strip() for e in (epsilon.split(",") if isinstance(epsilon, str) else epsilon or []) if e.strip()]
+    if release is not None and not names:  # what is released carries the selection's guarantee, not the run's
+        names = ["tuned"]
     tuned = "tuned" in names
-    eps = epsilon_columns(runs, [e for e in names if e != "tuned"] or (None if not tuned else []))
+    columns = [e for e in names if e != "tuned"]
+    eps = epsilon_columns(runs, columns) if columns else [] if tuned else epsilon_columns(runs)
     groups = group_runs(runs)
     out = out or os.path.join(runs_dir, "report")
     os.makedirs(out, exist_ok=True)
-    plots = write_plots(groups, metrics, out, eps)
-    section = privacy(runs, runs_dir) if privacy is not None else None
+    plots = write_plots(groups, plotted, out, eps, own_ledger=release is not None)
+    section = release_privacy(release) if release is not None else privacy(runs, runs_dir) if privacy else None
     if tuned:
         if section is None:
             raise ConfigError("report --epsilon", "tuned", "needs the runs' privacy (DP runs, planned by dpfl report)",
                               "report a sweep of DP runs with dpfl report")
-        plots += [plot_tuned(groups, metrics, out, section, _goal(runs_dir))]
+        if plotted:
+            plots += [plot_tuned(groups, plotted, out, section, goal)]
     table = os.path.join(out, "summary.md")
     with open(table, "w") as f:
-        f.write(summary_markdown(runs_dir, groups, metrics, eps) + (privacy_markdown(section) if section else ""))
+        f.write(summary_markdown(runs_dir, groups, metrics, eps, release, constants)
+                + (privacy_markdown(section) if section else ""))
     return {"plots": plots, "table": table, "metrics": metrics, "epsilons": eps, "groups": groups, "privacy": section}
 
 
-def _goal(runs_dir: str) -> str:
-    """The sweep's ``metric.goal`` (its ``sweep.yaml``), else ``maximize``."""
-    try:
-        with open(os.path.join(runs_dir, "sweep.yaml")) as f:
-            metric = (yaml.safe_load(f) or {}).get("metric") or {}
-        return "minimize" if metric.get("goal") == "minimize" else "maximize"
-    except (OSError, yaml.YAMLError, AttributeError):
-        return "maximize"
+def sweep_metric(runs_dir: str, release: Release | None = None) -> tuple[str | None, str]:
+    """The sweep's metric and goal: a private selection's (its ``selection.json``), else a sweep
+    directory's ``sweep.yaml``'s ``metric``; ``(None, "maximize")`` when there is none."""
+    metric: Any = {"name": release.selection.get("metric"), "goal": release.selection.get("goal")} if release else {}
+    if release is None:
+        try:
+            with open(os.path.join(runs_dir, "sweep.yaml")) as f:
+                metric = (yaml.safe_load(f) or {}).get("metric") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            metric = {}
+    if not isinstance(metric, dict):
+        metric = {}
+    name = metric.get("name")
+    return (name if isinstance(name, str) and name else None), ("minimize" if metric.get("goal") == "minimize"
+                                                               else "maximize")
+
+
+def release_privacy(release: Release) -> dict[str, Any]:
+    """The privacy section of a private selection's release, read from its ``selection.json`` (no
+    run is planned again): the selected result's guarantee, and for comparison one run and a grid."""
+    g = release.guarantee
+    return {"runs": 1, "delta": g["delta"], "audience": f"{g['granularity']}-level, {g['audience']}",
+            "one_run": g["epsilon_one_run"], "all_runs": g["epsilon_all_runs"], "grid_runs": g["grid_runs"],
+            "selected": g["epsilon_selected"], "tuned": g["epsilon_selected"], "release": release.line()}
 
 
 def privacy_markdown(section: dict[str, Any]) -> str:
-    """The section of ``summary.md`` that says what the sweep's release costs: one run, every run
-    composed, and the selected result of a private selection (each at its delta, towards whom)."""
+    """The section of ``summary.md`` that says what the sweep's release costs: the selected result of
+    a private selection (the guarantee of what it releases), one run, every run composed (each at its
+    delta, towards whom)."""
     lines = ["", "## Privacy of what the sweep releases", "",
              f"{section['audience']}, delta={section['delta']:g}, dp_accounting:", "",
-             "| what is released | epsilon |", "|---|---|",
-             f"| one run (its own ledger) | {section['one_run']:.4g} |"]
+             "| what is released | epsilon |", "|---|---|"]
     if "selected" in section:
-        lines += [f"| every run of a grid of {section['grid_runs']} runs (the mean number of trials), composed | "
+        lines += [f"| the selected result: guarantee of the private selection (the selection included) | "
+                  f"{section['selected']:.4g} |",
+                  f"| one run of the space (its own ledger, the selection left out) | {section['one_run']:.4g} |",
+                  f"| every run of a grid of {section['grid_runs']} runs (the mean number of trials), composed | "
                   f"{section['all_runs']:.4g} |",
-                  f"| the selected result of the private selection (including the selection) | "
-                  f"{section['selected']:.4g} |"]
+                  "", "`--epsilon tuned` (the default for a private selection) places the selected result at the "
+                  "guarantee of the private selection."]
     else:
-        lines += [f"| all {section['runs']} runs (or the best of them, chosen by looking at all), composed | "
-                  f"{section['all_runs']:.4g} |"]
-    lines += ["", "`--epsilon tuned` places the tuned result at the last of these."]
+        lines += [f"| one run (its own ledger) | {section['one_run']:.4g} |",
+                  f"| all {section['runs']} runs (or the best of them, chosen by looking at all), composed | "
+                  f"{section['all_runs']:.4g} |",
+                  "", "`--epsilon tuned` places the tuned result at the last of these."]
     return "\n".join(lines) + "\n"
 
 
@@ -552,6 +698,7 @@ def plot_tuned(groups: list[Group], metrics: list[str], out: str, section: dict[
     its tuning (``section["tuned"]``)."""
     figures = _Figures(out)
     metric = metrics[0]
+    selection = "selected" in section
     colors = _colors(len(groups))
     fig, ax = figures.new()
     finals = []
@@ -560,12 +707,15 @@ def plot_tuned(groups: list[Group], metrics: list[str], out: str, section: dict[
         if values:
             mean = statistics.fmean(values)
             finals.append(mean)
-            ax.plot([section["one_run"]], [mean], "o", color=c, alpha=0.5, label=f"{g.short} (one run)")
+            ax.plot([section["one_run"]], [mean], "o", color=c, alpha=0.5, label=f"{g.short} (one run)" if not
+                    selection else "one run of the space, its own ledger (the selection left out)")
     if finals:
         best = max(finals) if goal == "maximize" else min(finals)
-        ax.plot([section["tuned"]], [best], "*", color="black", ms=14, label="tuned result (tuning included)")
+        ax.plot([section["tuned"]], [best], "*", color="black", ms=14, label="tuned result (tuning included)" if not
+                selection else "selected result: guarantee of the private selection")
     ax.set(xlabel=f"epsilon (delta={section['delta']:g}, {section['audience']})", ylabel=metric,
-           title=f"final {metric}: one run vs the tuned result at its epsilon")
+           title=f"final {metric}: one run vs the tuned result at its epsilon" if not selection else
+           f"final {metric} of the selected result at the guarantee of the private selection")
     ax.grid(alpha=0.3)
     _legend(ax, 2)
     name = f"{_safe(metric)}_vs_epsilon_tuned.png"

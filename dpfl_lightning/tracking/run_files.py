@@ -18,8 +18,20 @@ import re
 import yaml
 
 CHECKPOINTS = "checkpoints"
+#: trainer settings that name, place, show or log a run and never change its model: a report groups
+#: runs without them and a private selection never lists them among the hyperparameters it selected
+#: (``eval_every`` is not among them: a ``ReduceLROnPlateau`` schedule follows the validations)
+NOT_MODEL_SETTINGS = ("trainer.run_name", "trainer.log_dir", "trainer.checkpoint_dir", "trainer.checkpoint_every",
+                      "trainer.final_checkpoint", "trainer.loggers", "trainer.enable_progress_bar",
+                      "trainer.enable_summary", "trainer.num_threads", "trainer.log_client_metrics",
+                      "trainer.eval_per_client", "trainer.test_after_fit")
 LAST, FINAL = "last.ckpt", "final.ckpt"
 _VERSION = re.compile(r"version_(\d+)")
+
+
+def is_model_setting(key: str) -> bool:
+    """False for a setting of :data:`NOT_MODEL_SETTINGS` (or a key below one), else True."""
+    return not any(key == k or key.startswith(k + ".") for k in NOT_MODEL_SETTINGS)
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:

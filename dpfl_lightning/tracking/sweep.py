@@ -503,7 +503,7 @@ def _plan_runs(sweep: Sweep, directory: str, names: list[str], configs: list[dic
             print(f"dpfl sweep: {name}: the parameters differ from the finished run's (a constant of the sweep "
                   "changed?): running it again", file=out, flush=True)
         if dry_run:
-            print(" ".join(_quote(c) for c in cmd), file=out, flush=True)
+            print(" ".join(quote(c) for c in cmd), file=out, flush=True)
             results[name] = RunResult(name, params, "dry-run")
             continue
         todo.append((name, params, cmd))
@@ -629,7 +629,7 @@ def _start_run(sweep: Sweep, directory: str, runs_dir: str, name: str, params: d
     if "${args_json_file}" in sweep.command:
         write_json(os.path.join(directory, "args", f"{name}.json"), params)
     log = open(os.path.join(directory, "logs", f"{name}.log"), "w")  # noqa: SIM115 - closed when the run ends
-    log.write("$ " + " ".join(_quote(c) for c in cmd) + "\n")
+    log.write("$ " + " ".join(quote(c) for c in cmd) + "\n")
     log.flush()
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
@@ -686,7 +686,7 @@ def _prepare_run_dir(directory: str, runs_dir: str, name: str) -> None:
     shutil.move(path, os.path.join(directory, where, f"{stem}{k}"))
 
 
-def _quote(s: str) -> str:
+def quote(s: str) -> str:
     """``s`` as a shell word (for the commands shown and logged)."""
     if re.fullmatch(r"[\w@%+=:,./-]+", s):
         return s

@@ -39,7 +39,7 @@ from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.canary import NOISE_CHECKS, THREAT_MODELS, CanaryClients
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
-from dpfl_lightning.privacy.audit import gaussian_fit_lower_bound, many_run_lower_bound
+from dpfl_lightning.privacy.audit import many_run_lower_bound, suspect_lower_bound
 from dpfl_lightning.privacy.audit_bounds import (Guesses, curve_refutable, curve_rejected, gdp_ceiling,
                                                   many_run_ceiling, profile_tradeoff, propose_settings)
 from dpfl_lightning.federated.sampling import ClientSampler
@@ -181,7 +181,7 @@ class Verdict:
     gdp: Any
     refuted: Guesses | None
     refutable: bool
-    fit_low: float = 0.0  # the Gaussian fit's lower confidence bound (exact for Gaussian scores)
+    fit_low: float = 0.0  # the Gaussian fit's lower confidence bound (suspect_lower_bound)
 
     @property
     def suspect(self) -> bool:
@@ -195,7 +195,7 @@ def _verdicts(trainer: Any, plugin: CanaryClients, each: float) -> list[Verdict]
         g = _guarantee_for(ledger, name)
         f = profile_tradeoff([(_epsilon_of(ledger, g, d), d) for d in PROFILE_DELTAS])
         scores = plugin.scores[name].numpy()
-        low = (gaussian_fit_lower_bound(scores[ins], scores[~ins], ledger.delta, each)
+        low = (suspect_lower_bound(scores[ins], scores[~ins], ledger.delta, each)
                if 2 <= ins.sum() <= len(ins) - 2 else 0.0)
         out.append(Verdict(name, _epsilon_of(ledger, g, ledger.delta), res.estimate, res.gdp,
                            curve_rejected(f, scores, ins, each), curve_refutable(f, len(scores), each), low))

@@ -2,8 +2,10 @@
 mechanism (the ledger accounts exactly what the honest plugin would) and do less.
 
 - :class:`HalfNoise`: central Gaussian noise of multiplier ``z`` declared, ``z / 2`` added;
-- :class:`LooseClip`: a clip at ``C`` declared, at ``10 C`` applied;
+- :class:`LooseClip`: a clip at ``C`` declared, at ``factor C`` applied (10 by default; 2 too);
 - :class:`HalfSkippedClip`: a clip at ``C`` declared, skipped for clients with an even id;
+- :class:`SizeWeightedClip`: a clip at ``C`` and uniform weights declared, the clipped update then
+  weighted by ``n_i / mean n`` (size-weighted averaging the ledger does not account);
 - :class:`QuarterLocalNoise`: local noise of multiplier ``z`` declared, ``z / 4`` added;
 - :class:`HalfCoordinateNoise`: central noise declared on the whole update, added to its first half only.
 """
@@ -24,10 +26,14 @@ class HalfNoise(GaussianNoise):
 
 
 class LooseClip(UpdateClipping):
-    """Declares ``UpdateClipping(max_norm=C)`` and clips at ``10 C``."""
+    """Declares ``UpdateClipping(max_norm=C)`` and clips at ``factor C``."""
+
+    def __init__(self, max_norm: float, factor: float = 10.0) -> None:
+        super().__init__(max_norm=max_norm)
+        self.factor = factor
 
     def on_client_end(self, *, client) -> None:
-        scale_to_norm_([client.payload[s] for s in self.segments], 10 * self.max_norm, True)
+        scale_to_norm_([client.payload[s] for s in self.segments], self.factor * self.max_norm, True)
 
 
 class HalfSkippedClip(UpdateClipping):
@@ -36,6 +42,22 @@ class HalfSkippedClip(UpdateClipping):
     def on_client_end(self, *, client) -> None:
         if client.client % 2:
             super().on_client_end(client=client)
+
+
+class SizeWeightedClip(UpdateClipping):
+    """Declares ``UpdateClipping(max_norm=C)`` (uniform weights: each client adds at most ``C``) and
+    weights each clipped update by ``n_i / mean_j n_j`` over all clients, as size-weighted FedAvg
+    would (the sum is still divided by the public denominator)."""
+
+    def setup(self, *, ctx) -> None:
+        super().setup(ctx=ctx)
+        sizes = [ctx.data.client_num_samples(c) for c in range(ctx.data.num_clients)]
+        self._mean = sum(sizes) / len(sizes)
+
+    def on_client_end(self, *, client) -> None:
+        super().on_client_end(client=client)
+        for s in self.segments:
+            client.payload[s].mul_(client.num_samples / self._mean)
 
 
 class QuarterLocalNoise(GaussianNoise):

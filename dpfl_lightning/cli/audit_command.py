@@ -37,6 +37,7 @@ from jsonargparse import ArgumentParser
 from dpfl_lightning.cli.run_objects import expect_model_labels, federated_data
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.plugins.canary import NOISE_CHECKS, THREAT_MODELS, CanaryClients
+from dpfl_lightning.plugins.contribution_check import ContributionCheck
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
 from dpfl_lightning.privacy.audit import many_run_lower_bound, suspect_lower_bound
@@ -225,9 +226,32 @@ def _status(verdicts: list[Verdict], noise: list, reach: int | None) -> tuple[in
         checked = ("the noise check found the declared noise" if noise else
                    "no Gaussian noise was read, so no noise check ran")
         return EXIT_CANNOT_DETECT, ("this audit cannot detect a violation here: even canaries guessed without an "
-                                    f"error could not refute the ledger's curve ({checked}; a clip that does not "
-                                    "clip would not show)")
+                                    f"error could not refute the ledger's curve ({checked}; the contribution check "
+                                    "found every contribution within its bound)")
     return EXIT_CONSISTENT, "consistent: the canaries do not refute the ledger's privacy curve"
+
+
+def _add_contribution_check(trainer: Any) -> ContributionCheck:
+    """Add the message-level contribution check (an audit run only: see its threat model)."""
+    check = ContributionCheck()
+    trainer.plugins = sorted([*trainer.plugins, check], key=lambda p: p.order)
+    trainer.hparams["plugins"] = [*trainer.hparams["plugins"], repr(check)]
+    return check
+
+
+def _contribution_row(check: ContributionCheck) -> tuple[str, ...]:
+    test = "REFUTED (a contribution above the declared bound)" if check.refuted else "every one within its bound"
+    return ("contributions to the sum", "-", "norm <= clip bound x weight 1", f"{check.checked} checked", test)
+
+
+def _with_contributions(code: int, line: str, check: ContributionCheck) -> tuple[int, str]:
+    """The verdict with the contribution check: a contribution above its bound is a violation."""
+    if not check.refuted:
+        return code, line
+    text = (f"VIOLATED: {check.over} of {check.checked} client contributions to the sum exceeded the declared bound "
+            "(the clip bound in force times the weight the ledger assumes), so the ledger accounts a sensitivity "
+            "the run does not keep")
+    return EXIT_VIOLATED, (f"{line}\n{text}" if code == EXIT_VIOLATED else text)
 
 
 def _one_run(parser: ArgumentParser, cfg: Any) -> int:
@@ -236,11 +260,12 @@ def _one_run(parser: ArgumentParser, cfg: Any) -> int:
     k = a.canaries if a.canaries is not None else max(2, min(1000, data.num_clients // 2))
     reach, each = _plan(trainer, model, data, k, a.confidence)
     plugin = _add(trainer, CanaryClients(canaries=k, confidence=a.confidence))
+    check = _add_contribution_check(trainer)
     t0 = time.perf_counter()
     trainer.fit(model, data)
     verdicts = _verdicts(trainer, plugin, each)
     noise = list(plugin.noise_checks(each).values())
-    code, line = _status(verdicts, noise, reach)
+    code, line = _with_contributions(*_status(verdicts, noise, reach), check)
     if trainer.is_global_zero:
         ledger = trainer.ledger
         print(f"dpfl audit: {k} canaries, {int(plugin.is_inserted.sum())} inserted at {plugin.boost:g} x the clip "
@@ -249,7 +274,7 @@ def _one_run(parser: ArgumentParser, cfg: Any) -> int:
             print(f"ledger: {text}")
         header = ("threat model", "ledger eps", "estimate (Andrew et al.)", "Gaussian-DP bound (Mahloujifar)",
                   f"f-DP test of the ledger's curve ({each:g})")
-        for row in [header, *map(_row, verdicts), *_noise_rows(plugin, each)]:
+        for row in [header, *map(_row, verdicts), *_noise_rows(plugin, each), _contribution_row(check)]:
             print(_ROW.format(*row))
         print(line)
     return code

@@ -211,3 +211,81 @@ def test_dp_sgd_is_refused_as_record_level_before_any_canary_check(tmp_path, cap
         cli.main(["audit", "--config", _config(tmp_path, clip=dpsgd, noise=None)])
     assert e.value.code == 2
     assert "record-level DP is not audited" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- suspect, and the contribution check
+def test_the_suspect_bound_sees_mixture_scores_the_parametric_bound_misses():
+    from dpfl_lightning.privacy.audit import gaussian_fit_lower_bound, suspect_lower_bound
+
+    # Poisson sampling: 64% of the inserted canaries were sampled (a wide spike), the rest score as
+    # unseen (as a planted skipped clip's scores: sd 0.2 against 0.011)
+    g = np.random.default_rng(0)
+    gains = []
+    for _ in range(10):
+        ins = np.where(g.random(125) < 0.64, 0.25 + 0.2 * g.normal(size=125), 0.011 * g.normal(size=125))
+        out = 0.011 * g.normal(size=125)
+        gains.append(suspect_lower_bound(ins, out, 1e-4, 0.9875) - gaussian_fit_lower_bound(ins, out, 1e-4, 0.9875))
+    assert min(gains) > 0.4  # e.g. 1.55 -> 2.21: a ledger of 1.356 ... 2 is suspect by the new bound only
+
+
+def test_the_suspect_bound_stays_below_the_truth_on_gaussian_scores():
+    from dpfl_lightning.privacy.audit import gaussian_epsilon, suspect_lower_bound
+
+    g = np.random.default_rng(2)
+    for mu in (0.5, 1.5):
+        truth = gaussian_epsilon(mu, 1e-4)
+        above = sum(suspect_lower_bound(mu + g.normal(size=100), g.normal(size=100), 1e-4, 0.99, resamples=1000,
+                                        seed=s) > truth for s in range(100))
+        assert above <= 5  # 1% expected
+
+
+def _uneven_data(tmp_path) -> dict:
+    g = np.random.default_rng(0)
+    x = g.normal(size=(20000, 10)).astype(np.float32)
+    y = (x[:, :3].sum(1) > 0).astype(np.int64) + 2 * (x[:, 3] > 0)
+    np.savez(tmp_path / "uneven.npz", x_train=x, y_train=y, x_test=x[:500], y_test=y[:500])
+    return {"class_path": "dpfl_lightning.data.NpzFile",
+            "init_args": {"path": str(tmp_path / "uneven.npz"), "num_clients": 500, "partition": "dirichlet",
+                          "alpha": 1.0, "num_classes": 10}}
+
+
+PLANTED_CLIPS = {"clip at 2C": ("LooseClip", {"factor": 2.0}), "clip at 10C": ("LooseClip", {}),
+                 "clip skipped for half the clients": ("HalfSkippedClip", {}),
+                 "size-weighted averaging": ("SizeWeightedClip", {})}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED_CLIPS))
+def test_the_contribution_check_refutes_every_planted_clip_bug(tmp_path, capsys, bug):
+    name, extra = PLANTED_CLIPS[bug]
+    clip = {"class_path": f"planted_bugs.{name}", "init_args": {"max_norm": 1.0, **extra}}
+    config = _config(tmp_path, clip=clip)
+    if name == "SizeWeightedClip":
+        cfg = yaml.safe_load(open(config))
+        cfg["data"] = _uneven_data(tmp_path)
+        open(config, "w").write(yaml.safe_dump(cfg))
+    code, _ = _audit(config, "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code == 3 and "REFUTED (a contribution above the declared bound)" in out
+    assert re.search(r"VIOLATED: [1-9]\d* of \d+ client contributions to the sum exceeded the declared bound", out)
+
+
+def test_size_weighted_honest_data_without_the_bug_passes_the_contribution_check(tmp_path, capsys):
+    config = _config(tmp_path)
+    cfg = yaml.safe_load(open(config))
+    cfg["data"] = _uneven_data(tmp_path)
+    open(config, "w").write(yaml.safe_dump(cfg))
+    code, _ = _audit(config, "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code == 0 and "every one within its bound" in out and "REFUTED" not in out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_skipped_clip_is_violated_or_suspect_and_the_honest_run_consistent_over_seeds(tmp_path, capsys, seed):
+    noise = {**NOISE, "init_args": {"noise_multiplier": 1.0}}  # ledger ~2: the canaries alone do not refute it
+    code, _ = _audit(_config(tmp_path / "bug", clip={**CLIP, "class_path": "planted_bugs.HalfSkippedClip"},
+                             noise=noise, seed=seed), "--canaries", "250")
+    assert code in (3, 4)
+    capsys.readouterr()
+    code, _ = _audit(_config(tmp_path / "honest", noise=noise, seed=seed), "--canaries", "250")
+    out = capsys.readouterr().out
+    assert code == 0 and "SUSPECT" not in out and "REFUTED" not in out

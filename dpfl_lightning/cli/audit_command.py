@@ -18,9 +18,12 @@ seen; every round's model is seen; and, for local or distributed noise, the serv
 
 Before training, the audit computes the most its bound can show for this delta and number of
 canaries (or trials); if that is below the ledger's epsilon it says so and which settings would
-(the one-run audit still trains, for the noise check; the many-run audit trains nothing). Exit status: 0 consistent; 3 violated (the
-ledger's statement is refuted, or less noise than declared); 4
-suspect (the Gaussian fit's lower confidence bound lies above the ledger's epsilon, no refutation); 5 this audit cannot
+(the one-run audit still trains, for the noise check; the many-run audit trains nothing). The one-run
+audit also adds :class:`~dpfl_lightning.plugins.contribution_check.ContributionCheck`: every client's
+contribution to the sum, every round, against its declared bound (no canary needed). Exit status: 0
+consistent; 3 violated (the ledger's statement is refuted, less noise than declared, or a contribution
+above its bound); 4 suspect (:func:`~dpfl_lightning.privacy.audit.suspect_lower_bound`, a lower
+confidence bound on the Gaussian fit's epsilon, lies above the ledger's epsilon, no refutation); 5 this audit cannot
 detect a violation here; 1 and 2 as every ``dpfl`` command (a failure, a bad configuration). A
 record-level (DP-SGD) configuration is refused: record-level DP is not audited.
 """
@@ -221,7 +224,8 @@ def _status(verdicts: list[Verdict], noise: list, reach: int | None) -> tuple[in
                                "ledger accounts noise the run does not add")
     if any(v.suspect for v in verdicts):
         return EXIT_SUSPECT, ("SUSPECT: the Gaussian fit's lower confidence bound lies above the ledger's epsilon "
-                              "(valid if the scores are Gaussian), though no test refutes it: rerun with more canaries")
+                              "(parametric, or the bootstrap's with 50+ canaries a side), though no test refutes it: "
+                              "rerun with more canaries")
     if reach is not None or not any(v.refutable for v in verdicts):
         checked = ("the noise check found the declared noise" if noise else
                    "no Gaussian noise was read, so no noise check ran")

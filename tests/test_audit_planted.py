@@ -282,6 +282,8 @@ def test_size_weighted_honest_data_without_the_bug_passes_the_contribution_check
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_skipped_clip_is_violated_or_suspect_and_the_honest_run_consistent_over_seeds(tmp_path, capsys, seed):
     noise = {**NOISE, "init_args": {"noise_multiplier": 1.0}}  # ledger ~2: the canaries alone do not refute it
+    (tmp_path / "bug").mkdir()
+    (tmp_path / "honest").mkdir()
     code, _ = _audit(_config(tmp_path / "bug", clip={**CLIP, "class_path": "planted_bugs.HalfSkippedClip"},
                              noise=noise, seed=seed), "--canaries", "250")
     assert code in (3, 4)

@@ -62,6 +62,12 @@ class FederatedTrainer:
             ``poisson`` (rate ``sampling_rate``, default ``m / M``) or ``full`` (default without it).
         sampling_rate: Poisson rate ``q``.
         local_epochs / local_steps: local work per client per round (one of them; default 1 epoch).
+        records_per_client: ``N``, the records per client the run takes as public, as Opacus takes
+            a dataset's size (default: the data module's, where every client holds that many by
+            construction): a local epoch is ``ceil(N / batch_size)`` batches for every client, and
+            DP-SGD samples every record with probability ``batch_size / N``. A DP run needs it with
+            ``DPSGD``, and under ``local_epochs`` to read ``self.trainer.estimated_stepping_batches``
+            (:mod:`dpfl_lightning.federated.public_sizes`).
         batch_size: local batch size; ``None`` for full-batch (full local gradient) steps.
         client_lr_decay: the client learning rate of round ``t`` is ``lr * client_lr_decay**t``
             (paper 003 App. H uses 0.99).
@@ -128,6 +134,7 @@ class FederatedTrainer:
         sampling_rate: float | None = None,
         local_epochs: int | None = None,
         local_steps: int | None = None,
+        records_per_client: int | None = None,
         batch_size: int | None = 32,
         client_lr_decay: float = 1.0,
         normalize_update_by_lr: bool = False,

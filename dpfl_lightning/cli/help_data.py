@@ -78,12 +78,7 @@ ACTIONS = [(['-h', '--help'], 'help', 0, None, None, False, 'Show this help mess
   None,
   None,
   False,
-  'N, the records per client the run takes as public, as Opacus takes\n'
-  "a dataset's size (default: the data module's, where every client holds that many by\n"
-  'construction): a local epoch is ceil(N / batch_size) batches for every client, and\n'
-  'DP-SGD samples every record with probability batch_size / N. A DP run needs it with\n'
-  'DPSGD, and under local_epochs to read self.trainer.estimated_stepping_batches\n'
-  '(dpfl_lightning.federated.public_sizes). (type: int | null, default: null)',
+  "public records per client N (epochs of ceil(N / B) batches, DP-SGD's rate B/N). (type: int | null, default: null)",
   True),
  (['--trainer.batch_size'],
   'trainer.batch_size',
@@ -423,9 +418,9 @@ ACTIONS = [(['-h', '--help'], 'help', 0, None, None, False, 'Show this help mess
   '{true,false}',
   None,
   False,
-  "after the last round, also run the module's test_step on the test set and\n"
-  'add its metrics (test_*) to the last row. lightning.Trainer.fit never tests, so\n'
-  'the default is False. (type: bool, default: False)',
+  "after the last round, also run the module's test_step on the test set and add its\n"
+  'metrics (test_*) to the last row. lightning.Trainer.fit never tests, so the default is False. (type: bool, default: '
+  'False)',
   True),
  (['--model.help'],
   'model.help',

@@ -111,3 +111,26 @@ def test_record_level_default_delta_follows_a_public_count_above_its_assumption(
     assert default_delta_for("record", 10) == 1e-6
     assert default_delta_for("record", 10, 12) == 1e-6
     assert default_delta_for("record", 10, 2 * 10 ** 6) == 1e-8
+
+
+def test_vmap_trains_the_public_epoch_like_sequential(tmp_path):
+    """Clients of 5, 12 and 20 records under N = 12: vmap takes the same 3 steps an epoch on the same
+    batches as the sequential executor, and shows the same batch_idx."""
+    class SeesBatches(TinyClassifier):
+        def __init__(self):
+            super().__init__()
+            self.batch_indices = []
+
+        def training_step(self, batch, batch_idx):
+            self.batch_indices.append(int(batch_idx))
+            return super().training_step(batch, batch_idx)
+
+    out, seen = {}, {}
+    for ex in ("sequential", "vmap"):
+        model = SeesBatches()
+        trainer = quiet_trainer(str(tmp_path / ex), rounds=2, local_epochs=2, records_per_client=12, executor=ex)
+        out[ex] = trainer.fit(model, _data([5, 12, 20])).global_params.clone()
+        seen[ex] = model.batch_indices
+    assert torch.allclose(out["vmap"], out["sequential"], atol=1e-6)
+    assert seen["sequential"] == [0, 1, 2] * 12  # 2 epochs of 3 batches, 3 clients, 2 rounds
+    assert seen["vmap"][-36:] == seen["sequential"]  # (after vmap's set-up trial step)

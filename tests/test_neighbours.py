@@ -2,7 +2,9 @@
 same configuration on two neighbouring datasets (client 3's data differs: a marker record, one more
 record with NaN, a record with a huge loss, fewer records, one more record) writes the same warnings,
 console, files and checkpoints (:mod:`neighbours`): also which keys it says it withheld, whether it
-releases a scheduled learning rate, and DP-SGD's default delta."""
+releases a scheduled learning rate, and DP-SGD's default delta. What a client computes from its size
+(the run's length a OneCycleLR is sized by, DP-SGD's sampling rate and epsilon) is checked with a
+neighbour one client smaller and one larger (:mod:`dpfl_lightning.federated.public_sizes`)."""
 
 from __future__ import annotations
 

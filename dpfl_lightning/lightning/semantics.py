@@ -171,8 +171,9 @@ precedence over the module's, as in Lightning.
 
 **Differential privacy.** Callbacks, ``ReduceLROnPlateau`` and ``self.trainer.callback_metrics``
 read only the released row; what the module reads of the run's length follows the public
-``records_per_client``, never a client's size (above). ``DPSGD`` works with manual optimization (``self.optimizers()`` returns
-the DP-SGD optimizer; stepping it twice on one batch is refused) and with batches for which
+``records_per_client``, never a client's size (above). ``DPSGD`` works with manual optimization
+(``self.optimizers()`` returns the DP-SGD optimizer; stepping it twice on one batch is refused) and
+with batches for which
 ``training_step`` returns ``None``: the step is still taken, with no gradient and the full noise, so
 every sampled batch is one noisy step as its accountant assumes (the decision to skip must not
 depend on the batch's records). ``DPSGD(fix_model=True)`` replaces the unsupported layers in the

@@ -356,7 +356,9 @@ def nccl_one_rank(cfg: Config) -> dict:
 def dpsgd(cfg: Config) -> dict:
     from dpfl_lightning.plugins import DPSGD
 
-    trainer, module = fit(cfg.workloads[1], cfg.device, 2, [DPSGD(noise_multiplier=1.0)], clients_per_round=5)
+    wl = cfg.workloads[1]  # (every client holds wl.samples records: the public count DP-SGD accounts)
+    trainer, module = fit(wl, cfg.device, 2, [DPSGD(noise_multiplier=1.0)], clients_per_round=5,
+                          records_per_client=wl.samples)
     return {"ok": bool(torch.isfinite(module.global_params).all()), "epsilon": trainer.history[-1].get("epsilon"),
             "device": str(module.global_params.device), "seconds_per_round": statistics.median(trainer.round_times)}
 

@@ -42,7 +42,7 @@ def main() -> None:
         print(f"  sample a {sampler.kind} cohort: {ms(lambda r: sampler.sample(random, r), 50):8.3f}")
     sampler = ClientSampler("poisson", M, rate=m / M)
     planner = PrivacyPlanner(sampler.accounted(), args.rounds, lambda rounds: sampler.participation_counts(random, rounds),
-                             lambda n: 1, 1)
+                             lambda n: 1, None)
     ctx = SimpleNamespace(privacy=planner, sampler=sampler, random=random, secure=False,
                           data=SimpleNamespace(num_clients=M),
                           mechanisms=[Mechanism.gaussian("noise", 1.0, 1.0, "local", ("update",))])

@@ -62,6 +62,7 @@ class FederatedTrainer:
             ``poisson`` (rate ``sampling_rate``, default ``m / M``) or ``full`` (default without it).
         sampling_rate: Poisson rate ``q``.
         local_epochs / local_steps: local work per client per round (one of them; default 1 epoch).
+        records_per_client: public records per client ``N`` (epochs of ``ceil(N / B)`` batches, DP-SGD's rate ``B/N``).
         batch_size: local batch size; ``None`` for full-batch (full local gradient) steps.
         client_lr_decay: the client learning rate of round ``t`` is ``lr * client_lr_decay**t``
             (paper 003 App. H uses 0.99).
@@ -98,10 +99,9 @@ class FederatedTrainer:
             training loss the module logs, per-client evaluation, skipped clients, clipping
             statistics). ``None`` (default): only in runs without DP; ``True`` in a DP run is an
             explicit, unaccounted release, listed in the run's privacy statement.
-        gradient_clip_val / gradient_clip_algorithm: clip each client's local gradient at every local
-            optimizer step (``norm`` or ``value``), through the module's ``configure_gradient_clipping``
-            as ``lightning.Trainer`` does. Not DP clipping; refused with ``DPSGD`` and with manual
-            optimization.
+        gradient_clip_val / gradient_clip_algorithm: clip each client's local gradient at every local optimizer step
+            (``norm`` or ``value``), through the module's ``configure_gradient_clipping`` as ``lightning.Trainer``
+            does. Not DP clipping; refused with ``DPSGD`` and with manual optimization.
         accumulate_grad_batches: step the local optimizer every this many batches (and at the end of
             each local epoch); refused with ``DPSGD`` and with manual optimization.
         precision: ``32`` (default), ``bf16-mixed`` (CPU and CUDA) or ``16-mixed`` (CUDA only):
@@ -111,9 +111,8 @@ class FederatedTrainer:
             Callbacks that need lightning.Trainer's per-step loop are refused with the reason.
         final_checkpoint: after ``fit``, write the global model to ``<checkpoint_dir>/final.ckpt`` as a
             Lightning checkpoint (``MyModule.load_from_checkpoint`` loads it).
-        test_after_fit: after the last round, also run the module's ``test_step`` on the test set and
-            add its metrics (``test_*``) to the last row. ``lightning.Trainer.fit`` never tests, so
-            the default is ``False``.
+        test_after_fit: after the last round, also run the module's ``test_step`` on the test set and add its
+            metrics (``test_*``) to the last row. ``lightning.Trainer.fit`` never tests, so the default is ``False``.
 
     What Lightning's notions (epochs, global steps, LR schedulers, hooks) mean in a federated run is
     written down in :mod:`dpfl_lightning.lightning.semantics`.
@@ -128,6 +127,7 @@ class FederatedTrainer:
         sampling_rate: float | None = None,
         local_epochs: int | None = None,
         local_steps: int | None = None,
+        records_per_client: int | None = None,
         batch_size: int | None = 32,
         client_lr_decay: float = 1.0,
         normalize_update_by_lr: bool = False,

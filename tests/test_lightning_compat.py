@@ -717,7 +717,8 @@ class DictModel(L.LightningModule):
 def test_datamodule_collate_dict_batches_and_validation_set(log_dir, plugins):
     dm = DictDataModule()
     data = FederatedDataModule.from_datamodule(dm, num_clients=4)
-    trainer = quiet_trainer(log_dir, rounds=4, batch_size=4, plugins=plugins, test_after_fit=True)
+    public = {"records_per_client": 24} if plugins and isinstance(plugins[0], DPSGD) else {}  # 96 records / 4
+    trainer = quiet_trainer(log_dir, rounds=4, batch_size=4, plugins=plugins, test_after_fit=True, **public)
     model = DictModel()
     trainer.fit(model, data)
     last = trainer.history[-1]
@@ -965,7 +966,8 @@ def test_lightning_boring_models(log_dir, demo, plugins):
     torch.manual_seed(0)
     model = getattr(boring_classes, demo)()  # StepLR(step_size=1): the lr falls 10x per round
     before = _boring_loss(model)
-    trainer = quiet_trainer(log_dir, rounds=3, batch_size=8, plugins=plugins)
+    public = {"records_per_client": 16} if plugins and isinstance(plugins[0], DPSGD) else {}  # 64 records / 4
+    trainer = quiet_trainer(log_dir, rounds=3, batch_size=8, plugins=plugins, **public)
     trainer.fit(model, _boring_data())
     assert _boring_loss(model) < 0.9 * before
 

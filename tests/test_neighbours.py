@@ -2,7 +2,9 @@
 same configuration on two neighbouring datasets (client 3's data differs: a marker record, one more
 record with NaN, a record with a huge loss, fewer records, one more record) writes the same warnings,
 console, files and checkpoints (:mod:`neighbours`): also which keys it says it withheld, whether it
-releases a scheduled learning rate, and DP-SGD's default delta."""
+releases a scheduled learning rate, and DP-SGD's default delta. What a client computes from its size
+(the run's length a OneCycleLR is sized by, DP-SGD's sampling rate and epsilon) is checked with a
+neighbour one client smaller and one larger (:mod:`dpfl_lightning.federated.public_sizes`)."""
 
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ def test_a_dp_run_writes_the_same_on_neighbouring_datasets(tmp_path, changes, kw
 
 @pytest.mark.parametrize("plugins, kw", [
     (lambda: [AdaptiveClip(1.0), GaussianNoise(noise_multiplier=1.0)], {"clients_per_round": 2}),
-    (lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)], {}),
+    (lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)], {"records_per_client": RECORDS}),
 ], ids=["adaptive-clip-uniform", "dpsgd"])
 def test_other_mechanisms_write_the_same_on_neighbouring_datasets(tmp_path, plugins, kw):
     a, b = _compare(tmp_path, MarkerWarmUp, (None, "marker"), plugins=plugins, **kw)
@@ -162,18 +164,15 @@ def test_learning_rates_under_local_steps_are_released(tmp_path):
 @pytest.mark.parametrize("ledger", [None, 0.095], ids=["default-delta", "given-delta"])
 def test_dpsgd_delta_does_not_follow_a_client_size(tmp_path, ledger):
     """Record-level DP: client 3 holds 10 records on one neighbour and 11 on the other (the smallest
-    client's count crosses a power of ten, 0.1/10 and 0.1/11, and 1/11 < 0.095 < 1/10). Every batch
-    holds all of a client's records (batch_size 12), so the accounted steps and rates are the same;
-    the default delta, the privacy line, hparams.yaml, and whether a given delta is refused must be too."""
+    client's count crosses a power of ten, 0.1/10 and 0.1/11, and 1/11 < 0.095 < 1/10). The default
+    delta, the privacy line, hparams.yaml, the ledger's checkpointed releases, and whether a given
+    delta is refused must not differ."""
     plugins = lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)] + (  # noqa: E731
         [PrivacyLedger(delta=ledger)] if ledger else [])
-    a, b = _compare(tmp_path, TinyClassifier, ("records=10", "records=11"), plugins=plugins, batch_size=12)
+    a, b = _compare(tmp_path, TinyClassifier, ("records=10", "records=11"), plugins=plugins, batch_size=12,
+                    records_per_client=12)
     assert a.error is None and b.error is None, (a.error, b.error)
-    found = differences(a, b)
-    # Known and left: the ledger checkpoints the record counts its accountant uses (each client's
-    # sampling rate B/n and steps per epoch), to refuse a resume under other releases.
-    counts = [d for d in found if "/plugins/PrivacyLedger/releases" in d and "'records': 10" in d]
-    assert [d for d in found if d not in counts] == []
+    assert differences(a, b) == []
     assert f"delta={ledger or 1e-6:g}" in a.stderr, a.stderr
 
 
@@ -202,3 +201,147 @@ def test_the_harness_sees_a_difference_it_must_see(tmp_path):
     a, b = written(str(tmp_path / "a"), fit(None)), written(str(tmp_path / "b"), fit("huge"))
     found = differences(a, b)
     assert any("metrics.csv" in d and "my_train_loss" in d for d in found), found
+
+
+# ---------------------------------------------------------------- what a client computes from its size
+ROUNDS, BATCH, PUBLIC = 3, 4, 12  # _data("records=n"): three clients of 12 records, client 3 of n
+
+
+class SizedOneCycle(TinyClassifier):
+    """A warm-up to the end of training, as a user writes it: ``OneCycleLR`` over
+    ``estimated_stepping_batches``, stepped once per epoch (round); its validation logs what
+    ``self.trainer`` says of the run's length (released evaluation metrics)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, cycle_momentum=False,
+                                                    total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("shape_total_steps", float(self.trainer.estimated_stepping_batches))
+        self.log("shape_batches", float(self.trainer.num_training_batches))
+        self.log("shape_global_step", float(self.global_step))
+
+
+def _central(z: float = 5.0):
+    return lambda: [UpdateClipping(1.0), GaussianNoise(noise_multiplier=z)]
+
+
+def _rows(w):
+    return w.files[os.path.join("nb", "version_0", "metrics.csv")]["rows"]
+
+
+def _one_cycle_lrs(total_steps: int, rounds: int) -> list[float]:
+    """torch's OneCycleLR, stepped once per round: the learning rate at the start of each round."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, cycle_momentum=False, total_steps=total_steps)
+    lrs = []
+    for _ in range(rounds):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize("neighbour", ["records=11", "records=13"], ids=["one-smaller", "one-larger"])
+def test_a_learning_rate_sized_by_the_run_length_follows_the_public_records(tmp_path, neighbour):
+    """Client 3 holds 12 records, or one fewer, or one more (13 records are 4 batches of 4: the largest
+    client's steps per round would grow from 3 to 4). With ``records_per_client=12`` every client's
+    local epoch is 3 batches: ``estimated_stepping_batches``, ``num_training_batches``, the evaluation's
+    ``global_step`` and the OneCycleLR learning rate that LearningRateMonitor logs are those of 12
+    records on both neighbours (central noise, z = 5)."""
+    a, b = _compare(tmp_path, SizedOneCycle, ("records=12", neighbour), plugins=_central(),
+                    callbacks=lambda: [LearningRateMonitor("epoch")], records_per_client=PUBLIC, rounds=ROUNDS,
+                    batch_size=BATCH)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    rows = [r for r in _rows(a) if r.get("lr-SGD")]
+    assert [float(r["lr-SGD"]) for r in rows] == pytest.approx(_one_cycle_lrs(ROUNDS * 3, ROUNDS), rel=1e-6)
+    shapes = [(float(r["shape_total_steps"]), float(r["shape_batches"]), float(r["shape_global_step"]))
+              for r in _rows(a) if r.get("shape_batches")]
+    assert shapes == [(9.0, 3.0, 3.0 * (r + 1)) for r in range(ROUNDS)]
+
+
+def test_without_public_records_the_run_length_is_refused_alike_on_every_neighbour(tmp_path):
+    """Under local_epochs and no ``records_per_client``, ``estimated_stepping_batches`` would be the
+    largest client's batches: the run is refused at set-up, with the same error on a neighbour one
+    client smaller and one larger, naming the setting that fixes it."""
+    runs = [written(str(tmp_path / change), _fit(SizedOneCycle, change, plugins=_central(), rounds=ROUNDS,
+                                                 callbacks=lambda: [LearningRateMonitor("epoch")]))
+            for change in ("records=12", "records=11", "records=13")]
+    assert runs[0].error is not None and runs[0].error.startswith(
+        "ConfigError: trainer.records_per_client=None: self.trainer.estimated_stepping_batches"), runs[0].error
+    assert "set trainer.records_per_client=N" in runs[0].error
+    assert differences(runs[0], runs[1]) == [] and differences(runs[0], runs[2]) == []
+
+
+class LogsItsStep(TinyClassifier):
+    """A validation_step that logs ``self.global_step`` (a released evaluation metric)."""
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("seen_global_step", float(self.global_step))
+
+
+@pytest.mark.parametrize("neighbour", ["records=11", "records=13"], ids=["one-smaller", "one-larger"])
+def test_evaluation_sees_the_written_step_not_the_last_client(tmp_path, neighbour):
+    """Without ``records_per_client`` the clients' steps per round follow their sizes; client 3 trains
+    last in every round. The evaluation after a round sees the step the run writes (its rounds), not
+    client 3's ``global_step`` (``round * 3`` or ``round * 4``)."""
+    a, b = _compare(tmp_path, LogsItsStep, ("records=12", neighbour), plugins=_central(1.0))
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    assert [float(r["seen_global_step"]) for r in _rows(a) if r.get("seen_global_step")] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("neighbour", ["records=11", "records=13"], ids=["one-smaller", "one-larger"])
+def test_a_step_interval_learning_rate_is_released_from_the_public_records(tmp_path, neighbour):
+    """With ``records_per_client`` every client takes the same public number of steps per round under
+    local_epochs: a step-interval learning rate is a function of the settings, released alike."""
+    a, b = _compare(tmp_path, StepSchedule, ("records=12", neighbour), callbacks=lambda: [LearningRateMonitor("epoch")],
+                    records_per_client=PUBLIC, plugins=_central(1.0))
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    # StepLR(step_size=2, gamma=0.5) after 3 steps per round: lr 0.1 * 0.5 ** floor(3 r / 2)
+    assert [float(r["lr-SGD"]) for r in _rows(a) if r.get("lr-SGD")] == pytest.approx(
+        [0.1 * 0.5 ** (3 * r // 2) for r in range(3)])
+
+
+def _dpsgd_epsilon(q: float, z: float, steps: int, delta: float) -> float:
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant as dp_rdp
+
+    acc = dp_rdp.RdpAccountant()
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), steps))
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("neighbour", ["records=9", "records=11"], ids=["one-smaller", "one-larger"])
+def test_dpsgd_accounts_the_public_records_not_the_smallest_client(tmp_path, neighbour):
+    """Client 3 holds 10 records, or 9, or 11 (the others 12). DP-SGD accounts every client at the
+    public ``records_per_client=12``: Poisson q = 4/12 and 3 steps per local epoch, so the privacy
+    line, the epsilon after every round and everything else written are the same on both neighbours,
+    and the epsilon is dp_accounting's for that q and those steps."""
+    plugins = lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0), PrivacyLedger(delta=1e-5)]  # noqa: E731
+    a, b = _compare(tmp_path, TinyClassifier, ("records=10", neighbour), plugins=plugins, records_per_client=PUBLIC,
+                    rounds=ROUNDS, batch_size=BATCH)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert differences(a, b) == []
+    assert f"Poisson sampling q={BATCH / PUBLIC:g}" in a.stderr, a.stderr
+    eps = [float(r["epsilon"]) for r in _rows(a) if r.get("epsilon")]
+    assert eps == pytest.approx([_dpsgd_epsilon(BATCH / PUBLIC, 1.0, 3 * (r + 1), 1e-5) for r in range(ROUNDS)],
+                                rel=1e-9)
+
+
+def test_dpsgd_without_public_records_is_refused_alike_on_every_neighbour(tmp_path):
+    """Without ``records_per_client`` DP-SGD's epsilon would name the smallest client's record count
+    (q = B / 9 or B / 10): refused, with the same error on every neighbour, naming the setting."""
+    plugins = lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)]  # noqa: E731
+    runs = [written(str(tmp_path / change), _fit(TinyClassifier, change, plugins=plugins))
+            for change in ("records=10", "records=9", "records=11")]
+    assert runs[0].error is not None and runs[0].error.startswith(
+        "ConfigError: trainer.records_per_client=None: DPSGD's accountant"), runs[0].error
+    assert differences(runs[0], runs[1]) == [] and differences(runs[0], runs[2]) == []

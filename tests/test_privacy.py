@@ -274,7 +274,11 @@ def test_zero_noise_is_refused_unless_infinite_epsilon_is_allowed(log_dir):
     assert t.history[-1]["epsilon"] == math.inf  # and the ledger says so
 
 
-def test_fixed_size_dpsgd_uses_one_relation_for_every_client(log_dir):
+@pytest.mark.parametrize("records", [3, 52], ids=["batch-holds-all", "sampled"])
+def test_fixed_size_dpsgd_accounts_every_client_at_the_public_records(log_dir, records):
+    """Clients of 3, 5 and 52 records: fixed-size DP-SGD accounts one profile, for every client, at the
+    public ``records_per_client`` (replace-one; B of N without replacement, or the whole batch
+    replaced-one at distance 2C where B >= N), never at a client's own count."""
     import torch
 
     from dpfl_lightning import FederatedDataModule
@@ -284,13 +288,17 @@ def test_fixed_size_dpsgd_uses_one_relation_for_every_client(log_dir):
     data = FederatedDataModule.from_tensors(x, torch.arange(60) % 10, x[:10], torch.arange(10) % 10,
                                             client_indices=[range(0, 3), range(3, 8), range(8, 60)])
     ledger = PrivacyLedger(delta=1e-4)
-    trainer = quiet_trainer(log_dir, rounds=2, batch_size=4, plugins=[DPSGD(noise_multiplier=1.0, sampling="fixed"), ledger])
+    trainer = quiet_trainer(log_dir, rounds=2, batch_size=4, records_per_client=records,
+                            plugins=[DPSGD(noise_multiplier=1.0, sampling="fixed"), ledger])
     trainer.fit(TinyClassifier(), data)
-    profiles = {p.record.records: p.release for p in ledger.guarantees[0].profiles}
-    assert sorted(profiles) == [3, 5, 52]  # n <= B for the first client, n > B for the others
-    assert {r.relation for r in profiles.values()} == {"replace_one"}
-    assert profiles[3].noise_multiplier == 0.5  # the whole batch replaced-one: distance 2C
-    assert profiles[52].sampling == "without_replacement" and profiles[52].sample_size == 4
+    (profile,) = ledger.guarantees[0].profiles
+    assert profile.clients is None and profile.record.records == records
+    assert profile.release.relation == "replace_one"
+    if records <= 4:
+        assert profile.release.sampling == "none" and profile.release.noise_multiplier == 0.5
+    else:
+        assert profile.release.sampling == "without_replacement"
+        assert (profile.release.population, profile.release.sample_size) == (52, 4)
 
 
 def test_calibrate_refuses_delta_at_or_above_one_over_n(capsys):

@@ -88,7 +88,7 @@ def _calibrate(cfg: Any) -> None:
             f"publishes one client in full would meet delta >= 1/{cfg.clients})", f"set --delta <= {default_delta(cfg.clients):g}")
     planner = PrivacyPlanner(sampler.accounted(), cfg.rounds,
                              None if cfg.secure else (lambda rounds: sampler.participation_counts(_random(cfg), rounds)),
-                             lambda n: 1, cfg.clients)
+                             lambda n: 1, None)
 
     def main(z: float):
         return guarantees([Mechanism.gaussian("cli", z, 1.0, cfg.placement, ("update",))], sampler.accounted(),

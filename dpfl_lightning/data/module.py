@@ -380,6 +380,22 @@ class FederatedDataModule:
         self.setup()
         return int(self._train_idx[client].numel())
 
+    #: records every client holds by construction, a function of the data module's own settings
+    #: (``SyntheticLogistic(samples_per_client=...)``), before ``client_test_fraction``; ``None`` where
+    #: the split follows the data
+    records_by_construction: int | None = None
+
+    @property
+    def public_records_per_client(self) -> int | None:
+        """The records every client trains on by construction (:attr:`records_by_construction` less the
+        held-out ``client_test_fraction``, as :meth:`_hold_out` takes it), or ``None``: what a run takes
+        as ``trainer.records_per_client`` when that is unset (:mod:`dpfl_lightning.federated.public_sizes`)."""
+        per = self.records_by_construction
+        if per is None:
+            return None
+        held = min(int(math.floor(self.client_test_fraction * per)), per - 1)
+        return per - held
+
     @property
     def has_test_set(self) -> bool:
         self.setup()
@@ -401,7 +417,7 @@ class FederatedDataModule:
     # ------------------------------------------------------------------ batches
     def client_batches(self, client: int, batch_size: int | None, *, epochs: int | None = None,
                        steps: int | None = None, stream: Stream | None = None,
-                       sampling: str = "shuffle") -> Iterator[tuple[int, int, Batch]]:
+                       sampling: str = "shuffle", records: int | None = None) -> Iterator[tuple[int, int, Batch]]:
         """Yield ``(epoch, batch_idx, batch)`` for one client's local training.
 
         ``sampling="shuffle"``: ``epochs`` passes over the client's data, reshuffled each pass, or
@@ -411,19 +427,38 @@ class FederatedDataModule:
         For DP-SGD (what its accountant assumes): ``"poisson"`` draws every batch independently,
         each record with probability ``batch_size / n`` (the batch size varies and can be 0);
         ``"fixed"`` draws every batch independently as ``batch_size`` records without replacement.
-        One "epoch" is then ``ceil(n / batch_size)`` such draws. Randomness comes from ``stream``
-        (shuffles from its ``randperm``, or its torch generator for a DataLoader; DP-SGD's batches
-        from its uniforms, which are the CSPRNG's in secure mode)."""
+        One "epoch" is then ``ceil(n / batch_size)`` such draws.
+
+        ``records`` (``N``, the run's public records per client): an epoch is ``ceil(N / batch_size)``
+        batches, and ``epoch`` / ``batch_idx`` count them, whatever the client holds; a shuffled
+        client's passes over its own records repeat or end as that needs. DP-SGD's ``poisson``
+        draws every record with probability ``batch_size / N``; ``fixed`` draws ``batch_size`` of
+        ``max(n, N)`` slots without replacement, the slots past the client's ``n`` records empty (a
+        client of fewer records is a client of ``N`` padded with empty slots).
+
+        Randomness comes from ``stream`` (shuffles from its ``randperm``, or its torch generator for
+        a DataLoader; DP-SGD's batches from its uniforms, which are the CSPRNG's in secure mode)."""
         self.setup()
         idx = self._train_idx[client]
         n = idx.numel()
         bs, per_epoch = batch_shape(n, batch_size)
+        shown = per_epoch if records is None else batch_shape(records, batch_size)[1]  # batches of an epoch
+        total = steps if steps is not None else shown * (epochs or 1)
         if sampling != "shuffle":
             require(stream is not None, "sampling", sampling, "DP-SGD batches need a random stream",
                     "pass stream=RandomSource(...).stream(...)")
-            yield from self._sampled_batches(idx, bs, steps if steps is not None else per_epoch * (epochs or 1),
-                                             per_epoch, stream, sampling)
+            yield from self._sampled_batches(idx, batch_size, total, shown, stream, sampling, records)
             return
+        if records is None and steps is None:
+            yield from self._passes(idx, bs, per_epoch, stream, epochs=epochs or 1)
+            return
+        for i, (_, _, batch) in enumerate(self._passes(idx, bs, per_epoch, stream, steps=total)):
+            yield i // shown, i % shown, batch
+
+    def _passes(self, idx: torch.Tensor, bs: int, per_epoch: int, stream: Stream | None, *,
+                epochs: int | None = None, steps: int | None = None) -> Iterator[tuple[int, int, Batch]]:
+        """Shuffled passes over a client's records: ``epochs`` of them, or ``steps`` batches."""
+        n = idx.numel()
         shuffle = bs < n
         step = epoch = 0
         tensors = self._train_tensors
@@ -454,20 +489,24 @@ class FederatedDataModule:
                     if steps is not None and step >= steps:
                         return
             epoch += 1
-            if steps is None and epoch >= (epochs or 1):
+            if steps is None and epoch >= epochs:
                 return
 
-    def _sampled_batches(self, idx: torch.Tensor, bs: int, steps: int, per_epoch: int,
-                         stream: Stream, sampling: str) -> Iterator[tuple[int, int, Batch]]:
+    def _sampled_batches(self, idx: torch.Tensor, batch_size: int | None, steps: int, per_epoch: int,
+                         stream: Stream, sampling: str, records: int | None) -> Iterator[tuple[int, int, Batch]]:
         require(sampling in ("poisson", "fixed"), "sampling", sampling, "unknown batch sampling",
                 "use shuffle, poisson or fixed")
         n = idx.numel()
-        rate = record_sampling_rate(n, bs)
+        population = n if records is None else records  # what the accountant takes a client to hold
+        rate = record_sampling_rate(population, batch_size)
+        size = batch_shape(population, batch_size)[0]
+        slots = max(n, population)
         for step in range(steps):
             if sampling == "poisson":
                 chosen = idx[(stream.uniform(n) < rate).to(idx.device)]
             else:
-                chosen = idx[stream.randperm(n)[:bs].to(idx.device)]
+                pick = stream.randperm(slots)[:size]
+                chosen = idx[(pick[pick < n] if slots > n else pick).to(idx.device)]
             if self._train_tensors is not None:
                 batch = tuple(t[chosen] for t in self._train_tensors)
             else:

@@ -75,6 +75,7 @@ class SyntheticLogistic(FederatedDataModule):
         super().__init__(num_clients=num_clients, partition="natural", seed=seed, client_test_fraction=client_test_fraction,
                          eval_batch_size=eval_batch_size)
         self.samples_per_client = samples_per_client
+        self.records_by_construction = samples_per_client  # every user holds R records: public
         self.test_samples_per_client = test_samples_per_client
         self.dim, self.num_classes = dim, num_classes
         self.alpha_model, self.beta_data, self.label_noise = alpha, beta, label_noise
@@ -102,6 +103,7 @@ class QuadraticClients(FederatedDataModule):
     def __init__(self, num_clients: int = 100, dim: int = 200, rank: int = 20, seed: int = 0) -> None:
         super().__init__(num_clients=num_clients, partition="natural", seed=seed, eval_batch_size=num_clients)
         self.dim, self.rank = dim, rank
+        self.records_by_construction = 1  # one record per client: public
 
     def load(self):
         p = quadratic_problem(self.num_clients, self.dim, self.rank, self.seed)
@@ -139,6 +141,7 @@ class SyntheticLinearRegression(FederatedDataModule):
     def __init__(self, num_clients: int = 1000, samples_per_client: int = 20, dim: int = 100, seed: int = 0) -> None:
         super().__init__(num_clients=num_clients, partition="natural", seed=seed, eval_batch_size=4096)
         self.samples_per_client, self.dim = samples_per_client, dim
+        self.records_by_construction = samples_per_client  # every client holds n records: public
 
     @property
     def w_star(self) -> torch.Tensor:

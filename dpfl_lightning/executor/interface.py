@@ -18,7 +18,6 @@ import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.module import ClientRun
-from dpfl_lightning.federated.plan import batch_shape
 
 if TYPE_CHECKING:
     from dpfl_lightning.plugins.contexts import ClientContext
@@ -74,13 +73,13 @@ class RoundWork:
         purpose = rng.DATA if plan.batch_sampling == "shuffle" else rng.RECORD_SAMPLING
         stream = self.random.stream(plan.round_idx, client, purpose)
         return self.data.client_batches(client, plan.batch_size, epochs=plan.local_epochs, steps=plan.local_steps,
-                                        stream=stream, sampling=plan.batch_sampling)
+                                        stream=stream, sampling=plan.batch_sampling, records=plan.records_per_client)
 
     def local_batches(self, client: int) -> tuple[int, int]:
         """``(batches this round, batches per local epoch)`` of ``client`` under the plan: where its
         learning-rate schedule and ``global_step`` stand (see :mod:`dpfl_lightning.lightning.semantics`)."""
         n = self.data.client_num_samples(client)
-        return self.plan.steps_for(n), batch_shape(n, self.plan.batch_size)[1]
+        return self.plan.steps_for(n), self.plan.epoch_batches(n)
 
 
 class Executor:

@@ -298,7 +298,7 @@ class VmapExecutor(Executor):
         sequential train on the same batches); plus the batch size and the number of steps."""
         plan, data = work.plan, work.data
         bs, per_epoch = batch_shape(n, plan.batch_size)
-        steps = plan.local_steps if plan.local_steps is not None else plan.local_epochs * per_epoch
+        steps = plan.steps_for(n)
         passes = math.ceil(steps / per_epoch)
         idx = torch.stack([data.client_indices(c) for c in clients])  # [clients, n]
         if bs >= n:
@@ -354,6 +354,7 @@ class VmapExecutor(Executor):
         orders, bs, steps = self._orders(work, clients, n)
         tensors = data.in_memory_tensors
         per_epoch = math.ceil(n / bs)
+        shown = plan.epoch_batches(n)  # what batch_idx counts (the public epoch's batches, where one is set)
         logged = module.logged
         module.set_round(plan.round_idx)
         # what training_step may read, as the sequential executor sets it: every client of the chunk
@@ -371,7 +372,7 @@ class VmapExecutor(Executor):
                 epoch, b = divmod(s, per_epoch)
                 sel = orders[:, epoch * n + b * bs : epoch * n + min((b + 1) * bs, n)]
                 batch = tuple(t[sel] for t in tensors)
-                self._step.batch_idx = b
+                self._step.batch_idx = s % shown
                 shim.is_last_batch = s + 1 == steps
                 try:
                     grads, (_, logs) = self._fn(named, batch)

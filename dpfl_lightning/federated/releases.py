@@ -164,8 +164,10 @@ def learning_rate_kind(step_interval: bool, steps_are_public: bool) -> str:
     ``lr-*`` / ``momentum-*``), decided from the settings alone.
 
     They are the reference client's schedule at ``round * S`` (``S``: its optimizer steps per round).
-    An ``interval="epoch"`` scheduler steps once per round: a function of the round, ``public``. An
-    ``interval="step"`` one is ``public`` only where ``S`` is: ``local_steps`` set and no gradient
+    An ``interval="epoch"`` scheduler steps once per round: a function of the round, ``public`` (one
+    sized by ``estimated_stepping_batches`` reads ``S``, which a DP run refuses where ``S`` is not
+    public: :mod:`dpfl_lightning.federated.public_sizes`). An ``interval="step"`` one is ``public``
+    only where ``S`` is: ``trainer.records_per_client`` set, or ``local_steps`` set and no gradient
     accumulation (``accumulate_grad_batches`` counts batches per epoch, which follow the client's
     size). Under ``local_epochs`` ``S`` is the largest client's number of batches, so the logged rate
     is a function of one client's record count: ``unaccounted``, whether or not the clients' sizes

@@ -27,7 +27,13 @@ A module runs unchanged, or is refused at set-up with one line naming the settin
   (``on_train_batch_start`` returning ``-1``).
 - ``self.trainer.estimated_stepping_batches`` is ``rounds * S``: the steps one client takes over the
   run (so ``OneCycleLR(total_steps=self.trainer.estimated_stepping_batches)`` ends with the run).
-  Under ``local_epochs``, clients of different sizes have different ``S``.
+  Under ``local_epochs``, clients of different sizes have different ``S``, unless
+  ``trainer.records_per_client=N`` is set: a local epoch is then ``ceil(N / batch_size)`` batches
+  for every client, whatever it holds. A DP run never shows a value that follows the clients' sizes:
+  where ``S`` does (``local_epochs`` or gradient accumulation without ``N``), reading
+  ``estimated_stepping_batches`` or ``num_training_batches`` is refused with the setting that fixes
+  it, and outside a client (evaluation) ``global_step`` is the step the run writes
+  (:mod:`dpfl_lightning.federated.public_sizes`).
 
 **What a client's optimizers carry across rounds** (:mod:`dpfl_lightning.module.schedule`).
 ``configure_optimizers`` runs for every client in every round: fresh optimizers, so moment buffers
@@ -164,8 +170,10 @@ training set is refused (it cannot be split by index; Lightning's ``BoringDataMo
 precedence over the module's, as in Lightning.
 
 **Differential privacy.** Callbacks, ``ReduceLROnPlateau`` and ``self.trainer.callback_metrics``
-read only the released row. ``DPSGD`` works with manual optimization (``self.optimizers()`` returns
-the DP-SGD optimizer; stepping it twice on one batch is refused) and with batches for which
+read only the released row; what the module reads of the run's length follows the public
+``records_per_client``, never a client's size (above). ``DPSGD`` works with manual optimization
+(``self.optimizers()`` returns the DP-SGD optimizer; stepping it twice on one batch is refused) and
+with batches for which
 ``training_step`` returns ``None``: the step is still taken, with no gradient and the full noise, so
 every sampled batch is one noisy step as its accountant assumes (the decision to skip must not
 depend on the batch's records). ``DPSGD(fix_model=True)`` replaces the unsupported layers in the
@@ -207,7 +215,8 @@ from dpfl_lightning.lightning.callbacks import RoundTrainer, check_callbacks
 from dpfl_lightning.errors import ConfigError, require
 from dpfl_lightning.module import FederatedLightningModule, LoopSettings, is_overridden, optimizer_steps_per_round
 from dpfl_lightning.module.schedule import ScheduleCursor, merge_end
-from dpfl_lightning.federated.plan import RoundPlan, batch_shape
+from dpfl_lightning.federated.plan import RoundPlan
+from dpfl_lightning.federated.public_sizes import public_records
 from dpfl_lightning.federated.releases import learning_rate_kind
 
 if TYPE_CHECKING:
@@ -321,20 +330,25 @@ class LightningRun:
     def check(self) -> None:
         """After the run is built: the reference client's steps, ``configure_optimizers``, data settings."""
         settings, module, data = self.settings, self.module, self.data
-        plan = RoundPlan(0, (), settings.local_steps, settings.local_epochs, settings.batch_size)
+        records = public_records(settings, data)
+        plan = RoundPlan(0, (), settings.local_steps, settings.local_epochs, settings.batch_size,
+                         records_per_client=records)
         k = settings.accumulate_grad_batches if module.automatic_optimization else 1
-        sizes = sorted({data.client_num_samples(c) for c in range(data.num_clients)})
-        steps = set()
-        for n in sizes:
-            total = plan.steps_for(n)
-            steps.add(optimizer_steps_per_round(total, batch_shape(n, settings.batch_size)[1], k))
-        module.loop.steps_reference = max(steps)
-        self.steps_public = settings.local_steps is not None and k == 1
-        # a DP run writes a global_step of the settings where the reference client's follows the data
-        private = self.releases is not None and self.releases.private
-        module.schedules.steps_private = bool(private) and not self.steps_public
+        sizes = [records] if records is not None else sorted({data.client_num_samples(c) for c in range(data.num_clients)})
+        shapes = {(optimizer_steps_per_round(plan.steps_for(n), plan.epoch_batches(n), k), plan.steps_for(n))
+                  for n in sizes}
+        module.loop.steps_reference, batches = max(shapes)
+        # every client takes the same public number of steps per round: set by the settings
+        self.steps_public = records is not None or (settings.local_steps is not None and k == 1)
+        # a DP run writes a global_step of the settings where the reference client's follows the data, and
+        # withholds what the module would read of the clients' sizes (dpfl_lightning.federated.public_sizes)
+        private = bool(self.releases is not None and self.releases.private)
+        module.schedules.steps_private = private and not self.steps_public
+        module.schedules.private = private
         shim = module.trainer_shim  # outside a client (set-up, evaluation, the vmap executor): the reference client
-        shim.estimated_stepping_batches = settings.rounds * module.loop.steps_reference
+        shim.sizes_withheld = module.schedules.steps_private
+        module.schedules.reference_shape = (settings.rounds * module.loop.steps_reference, batches)
+        shim.set_shape(*module.schedules.reference_shape)
         module.check_optimizers()  # (and the plugins' rules on the optimizers, e.g. DPSGD's)
         if is_overridden(module.inner, "on_train_epoch_end") and module.has_validation_step and self.is_global_zero:
             self._say("epoch_end")

@@ -39,6 +39,7 @@ class Evaluation:
         step = m.validation_step if stage == "validation" else m.test_step
         flag = "validating" if stage == "validation" else "testing"
         modes = self.modes()
+        fm.schedules.outside_client(shim.current_epoch + 1)
         setattr(shim, flag, True)
         context = loop.forward_context
         try:

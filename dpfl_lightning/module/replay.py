@@ -44,6 +44,8 @@ class ScheduleReplay:
         self.last_seen: dict[int, int] = {}  # the last round in which clients of each step count trained
         self.optimizer_rules = []
         self.steps_private = False  # the reference client's steps per round follow the data (set up by the run)
+        self.private = False  # a DP run (set up by the run)
+        self.reference_shape = (0, 0)  # the reference client's (estimated_stepping_batches, num_training_batches)
 
     # ------------------------------------------------------------------ where a client starts
     def set_client_shape(self, round_idx: int, steps: int, batches: int) -> None:
@@ -53,8 +55,7 @@ class ScheduleReplay:
         shim = self.fm.trainer_shim
         shim.current_epoch = round_idx
         shim.global_step = self.start_step(steps, round_idx)
-        shim.estimated_stepping_batches = self.fm.loop.rounds * steps
-        shim.num_training_batches = batches
+        shim.set_shape(self.fm.loop.rounds * steps, batches)
 
     def start_step(self, steps: int, round_idx: int) -> int:
         """``global_step`` at the start of ``round_idx`` for clients of ``steps`` steps per round: that of
@@ -80,16 +81,27 @@ class ScheduleReplay:
             return rounds_done
         return self.start_step(self.fm.loop.steps_reference, rounds_done)
 
+    def outside_client(self, rounds_done: int) -> None:
+        """What ``self.trainer`` shows outside a client (evaluation after ``rounds_done`` rounds) in a DP
+        run: the reference client's shape and the step :meth:`written_step` writes, never the last trained client's
+        (its ``global_step`` and batches follow its record count)."""
+        if not self.private:
+            return
+        shim = self.fm.trainer_shim
+        # (a DP run takes no round end: the schedule alone, without moving a cursor before the round's row)
+        shim.global_step = rounds_done if self.steps_private else rounds_done * self.fm.loop.steps_reference
+        shim.set_shape(*self.reference_shape)
+
     def configure(self, steps: int) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig]]:
         """``configure_optimizers`` with ``estimated_stepping_batches`` of clients of ``steps`` steps."""
         fm = self.fm
         shim = fm.trainer_shim
-        saved = shim.estimated_stepping_batches
-        shim.estimated_stepping_batches = fm.loop.rounds * steps
+        saved = shim.shape()
+        shim.set_shape(fm.loop.rounds * steps, saved[1])
         try:
             opts, scheds = parse_optimizers(fm.inner.configure_optimizers())
         finally:
-            shim.estimated_stepping_batches = saved
+            shim.set_shape(*saved)
         if fm.automatic_optimization and len(opts) != 1:
             raise ConfigError("model.configure_optimizers", f"{len(opts)} optimizers",
                               "automatic optimization trains with exactly one optimizer",

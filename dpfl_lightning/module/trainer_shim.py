@@ -12,6 +12,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
+from dpfl_lightning.federated.public_sizes import withheld_error
 from dpfl_lightning.module import optimizer_calls
 
 
@@ -119,8 +120,11 @@ class TrainerShim:
         self.min_epochs = None
         self.max_steps = -1
         self.min_steps = None
-        self.estimated_stepping_batches = 0
-        self.num_training_batches = 0
+        self._estimated_stepping_batches = 0
+        self._num_training_batches = 0
+        #: a DP run whose clients' batches per round follow their record counts: the two values above are
+        #: refused (see :mod:`dpfl_lightning.federated.public_sizes`)
+        self.sizes_withheld = False
         self.accumulate_grad_batches = 1
         self.gradient_clip_val: float | None = None
         self.gradient_clip_algorithm: Any = None
@@ -145,6 +149,36 @@ class TrainerShim:
         self.log_dir: str | None = None
         self.default_root_dir: str | None = None
         self.callbacks: list[Any] = []
+
+    @property
+    def estimated_stepping_batches(self) -> int:
+        """``rounds * S``: the optimizer steps of one client over the run (refused where they are not public)."""
+        if self.sizes_withheld:
+            raise withheld_error("estimated_stepping_batches")
+        return self._estimated_stepping_batches
+
+    @estimated_stepping_batches.setter
+    def estimated_stepping_batches(self, value: int) -> None:
+        self._estimated_stepping_batches = value
+
+    @property
+    def num_training_batches(self) -> int:
+        """The client's batches this round (refused where they are not public)."""
+        if self.sizes_withheld:
+            raise withheld_error("num_training_batches")
+        return self._num_training_batches
+
+    @num_training_batches.setter
+    def num_training_batches(self, value: int) -> None:
+        self._num_training_batches = value
+
+    def set_shape(self, estimated_stepping_batches: int, num_training_batches: int) -> None:
+        self._estimated_stepping_batches = estimated_stepping_batches
+        self._num_training_batches = num_training_batches
+
+    def shape(self) -> tuple[int, int]:
+        """``(estimated_stepping_batches, num_training_batches)`` as set (also where they are withheld)."""
+        return self._estimated_stepping_batches, self._num_training_batches
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

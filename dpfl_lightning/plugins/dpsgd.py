@@ -19,8 +19,16 @@ Sensitivity and threat model: neighbouring datasets differ in one record of one 
 changes by at most ``C`` (add/remove) or ``2C`` (replace-one). The guarantee is towards the server
 (and anyone who sees the client's updates): per client, the composition of every local step of
 every round it took part in. Client sampling gives no amplification towards the server, who knows
-who took part. Batches are drawn independently every step -- Poisson with rate ``B / n`` or ``B``
-records without replacement -- so the accounted sampling is the one that happens.
+who took part. Batches are drawn independently every step -- Poisson with rate ``B / N`` or ``B`` of
+``N`` records without replacement -- so the accounted sampling is the one that happens. ``N`` is the
+run's public number of records per client (``trainer.records_per_client``, as Opacus takes a
+dataset's size to be public), never a client's own count ``n``: with it the sampling rate, the
+steps per local epoch (``ceil(N / B)``) and the expected batch size that the noisy sum is divided
+by are the same for every client, and the epsilon holds for a client of any size (Poisson: each of
+its records is in a batch with probability ``B / N``, whatever ``n``; fixed-size: a client of fewer
+records is one of ``N`` with empty slots, one of more is sampled at a lower rate). A run without
+``N`` is refused: its epsilon would name the smallest client's count
+(:mod:`dpfl_lightning.federated.public_sizes`).
 
 Noise and batches are drawn from the run's random source keyed by (seed, round, client, purpose),
 so results do not depend on the number of ranks; with ``FederatedTrainer(secure=True)`` both come
@@ -39,6 +47,7 @@ import torch
 from dpfl_lightning import rng
 from dpfl_lightning.data.module import record_sampling_rate
 from dpfl_lightning.errors import ConfigError, require
+from dpfl_lightning.federated.public_sizes import dpsgd_error
 from dpfl_lightning.plugins.callback import ORDER_LOCAL_TRAINING, FederatedCallback
 from dpfl_lightning.plugins.calibrated_noise import CalibratedNoise
 from dpfl_lightning.plugins.gaussian_noise import check_noise_multiplier
@@ -70,10 +79,11 @@ class DPSGD(CalibratedNoise, FederatedCallback):
         target_epsilon / delta: instead of ``z``: calibrate it before training so that the worst
             client's record-level epsilon after the whole run is at most the target
             (``delta`` defaults to ``1e-6``, a public setting that assumes at most 10^5 records per
-            client: :func:`~dpfl_lightning.privacy.guarantees.default_delta_for`; set it below
-            ``0.1 / n`` for clients of more records).
-        sampling: ``poisson`` (each record in a batch with probability ``B/n``; Opacus's default)
-            or ``fixed`` (``B`` records without replacement per batch).
+            client, or to a power of ten at most ``0.1 / N`` for a larger ``trainer.records_per_client``:
+            :func:`~dpfl_lightning.privacy.guarantees.default_delta_for`).
+        sampling: ``poisson`` (each record in a batch with probability ``B/N``; Opacus's default)
+            or ``fixed`` (``B`` of ``N`` slots without replacement per batch), ``N`` the run's
+            ``trainer.records_per_client``.
         fix_model: replace layers Opacus cannot handle (BatchNorm -> GroupNorm, ...) with Opacus's
             fixers (``opacus.validators.ModuleValidator.FIXERS``) instead of failing. The layers are
             replaced in the module you passed (in place: it is the module that trains and holds the
@@ -198,6 +208,8 @@ class DPSGD(CalibratedNoise, FederatedCallback):
     def _setup(self, ctx) -> None:
         require(ctx.plan.batch_size is not None, "trainer.batch_size", None, "DP-SGD needs a batch size",
                 "set trainer.batch_size (the expected batch size B)")
+        if ctx.plan.records_per_client is None:
+            raise dpsgd_error()
         self._coverage_checked = False
         self._trainable: tuple[bool, ...] | None = None
         self._profiles = self._client_profiles(ctx)
@@ -227,13 +239,10 @@ class DPSGD(CalibratedNoise, FederatedCallback):
                                 for name, m in ctx.model.named_modules() if _opacus().has_params(m)]
 
     def _client_profiles(self, ctx) -> tuple[RecordProfile, ...]:
-        """Clients grouped by dataset size (their sampling rate and steps differ)."""
-        data, B = ctx.data, ctx.plan.batch_size
-        groups: dict[int, list[int]] = {}
-        for c in range(data.num_clients):
-            groups.setdefault(data.client_num_samples(c), []).append(c)
-        return tuple(RecordProfile(n, record_sampling_rate(n, B), min(B, n), tuple(clients))
-                     for n, clients in sorted(groups.items()))
+        """One profile for every client, from the public records per client ``N`` (its sampling rate
+        ``B / N``, its batch ``min(B, N)``): no client's own count enters the accounting."""
+        N, B = ctx.plan.records_per_client, ctx.plan.batch_size
+        return (RecordProfile(N, record_sampling_rate(N, B), min(B, N), None),)
 
     def _mechanism(self, z: float) -> Mechanism:
         return Mechanism.dp_sgd("DP-SGD", z, self._profiles, self.sampling)
@@ -316,8 +325,8 @@ class DPSGD(CalibratedNoise, FederatedCallback):
                           + "; ".join(problems), "; ".join(fixes))
 
     def wrap_optimizer(self, *, client, optimizer: torch.optim.Optimizer):
-        n = client.num_samples
-        expected = n * record_sampling_rate(n, client.plan.batch_size)
+        N = client.plan.records_per_client  # the expected batch size B (min(B, N)), the same for every client
+        expected = N * record_sampling_rate(N, client.plan.batch_size)
         stream = client.random.stream(client.round_idx, client.client, rng.RECORD_NOISE)
         return _opacus().KeyedDPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
                                 expected_batch_size=expected, loss_reduction=self.loss_reduction, noise_stream=stream)

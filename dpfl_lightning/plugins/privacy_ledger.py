@@ -49,9 +49,10 @@ class PrivacyLedger(FederatedCallback):
             (``target_epsilon``) was given, else a function of public settings
             (:func:`~dpfl_lightning.privacy.guarantees.default_delta_for`): a power of ten at most
             ``0.1/M`` for client-level DP (``M`` clients), ``1e-6`` for record-level DP (it assumes
-            at most 10^5 records per client: set it below ``0.1/n`` for clients of more). A
-            client-level ``delta >= 1/M`` is refused; a record-level one is not checked against the
-            clients' record counts (they are the data, and a refusal would say where one lies).
+            at most 10^5 records per client; ``0.1/N`` rounded down to a power of ten for a larger
+            public ``trainer.records_per_client``). A client-level ``delta >= 1/M`` is refused; a
+            record-level one is not checked against the clients' record counts (they are the data,
+            and a refusal would say where one lies).
         accountant: ``rdp`` (dp_accounting RDP; fast), ``pld`` (dp_accounting PLD; tighter, ~20-60 ms
             per round) or ``prv`` (Opacus PRV; Poisson or no sampling only, slow). Default: the
             accountant a calibrated plugin used, else ``rdp``.

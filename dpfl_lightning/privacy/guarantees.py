@@ -256,7 +256,7 @@ def default_delta(n: int) -> float:
 ASSUMED_RECORDS_PER_CLIENT = 10 ** 5
 
 
-def default_delta_for(granularity: str, num_clients: int) -> float:
+def default_delta_for(granularity: str, num_clients: int, records: int | None = None) -> float:
     """The default delta of a ``granularity``-level guarantee, a function of public settings only.
 
     The common rule is ``delta << 1/n`` for ``n`` the units the neighbouring relation adds or removes
@@ -272,7 +272,9 @@ def default_delta_for(granularity: str, num_clients: int) -> float:
     :data:`ASSUMED_RECORDS_PER_CLIENT` (``10^5``) records per client: ``1e-6 <= 0.1/n`` for every client
     that holds no more (a whole MNIST or CIFAR-10 training set in one client included; Abadi et al.,
     "Deep Learning with Differential Privacy", 2016, used 1e-5 for MNIST's 60,000). A client holding
-    more needs a smaller delta, set explicitly (``DPSGD(delta=)``, ``PrivacyLedger(delta=)``)."""
+    more needs a smaller delta, set explicitly (``DPSGD(delta=)``, ``PrivacyLedger(delta=)``), or a
+    public ``records`` per client (``trainer.records_per_client``) above it: the default is then
+    :func:`default_delta` ``(records)``."""
     if granularity == "client":
         return default_delta(num_clients)
-    return default_delta(ASSUMED_RECORDS_PER_CLIENT)
+    return default_delta(max(ASSUMED_RECORDS_PER_CLIENT, records or 0))

@@ -38,13 +38,14 @@ PLACEMENTS = ("local", "central", "distributed")
 
 @dataclass(frozen=True)
 class RecordProfile:
-    """DP-SGD clients that share a dataset size: ``records`` each, every record in a batch with
-    probability ``rate`` (Poisson) or ``batch`` records without replacement (fixed)."""
+    """DP-SGD clients accounted alike: ``records`` each (the run's public records per client), every
+    record in a batch with probability ``rate`` (Poisson) or ``batch`` of ``records`` without
+    replacement (fixed); ``clients`` ``None`` for every client."""
 
     records: int
     rate: float
     batch: int
-    clients: tuple[int, ...]
+    clients: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)

@@ -49,17 +49,18 @@ class PrivacyPlanner:
             participations in rounds ``0 .. rounds-1`` (a simulation: keyed by the seed), or
             ``None`` in secure mode (then the binomial bound of the module docstring is used).
         steps_for: local steps of a client with ``n`` records under the default round plan.
-        min_records: the smallest client's number of records (record-level DP's population).
+        records: the public number of records per client (record-level DP's population), or
+            ``None`` (:mod:`dpfl_lightning.federated.public_sizes`): never the clients' own counts.
     """
 
     def __init__(self, sampling: Sampling, rounds: int, participations: Callable[[int], np.ndarray] | None,
-                 steps_for: Callable[[int], int], min_records: int) -> None:
+                 steps_for: Callable[[int], int], records: int | None) -> None:
         self.sampling = sampling
         self.rounds = rounds
         self._participations = participations
         self._counts: dict[int, np.ndarray] = {}
         self.steps_for = steps_for
-        self.min_records = min_records
+        self.records = records
         self.calibrations: list[tuple[float, str]] = []  # (delta, accountant) of every calibration
         self.block_rounds, self.block_times = 0, 0  # see meet_at_most
 
@@ -74,13 +75,13 @@ class PrivacyPlanner:
     def secure(self) -> bool:
         return self._participations is None
 
-    def population(self, granularity: str) -> int:
-        """``N`` of the neighbouring relation: clients, or the smallest client's records."""
-        return self.sampling.num_clients if granularity == "client" else self.min_records
+    def population(self, granularity: str) -> int | None:
+        """``N`` of the neighbouring relation: clients, or the public records per client (``None``: not public)."""
+        return self.sampling.num_clients if granularity == "client" else self.records
 
     def default_delta(self, granularity: str) -> float:
         """From public settings only (:func:`~dpfl_lightning.privacy.guarantees.default_delta_for`)."""
-        return default_delta_for(granularity, self.sampling.num_clients)
+        return default_delta_for(granularity, self.sampling.num_clients, self.records)
 
     def counts(self, rounds: int) -> np.ndarray:
         """Every client's planned participations in rounds ``0 .. rounds-1`` (a simulation)."""

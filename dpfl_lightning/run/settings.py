@@ -46,6 +46,10 @@ def check_trainer_settings(s: dict[str, Any]) -> dict[str, Any]:  # noqa: C901 -
     for name in ("local_epochs", "local_steps"):
         if s[name] is not None:
             require(s[name] >= 1, f"trainer.{name}", s[name], "must be >= 1", f"set {name} >= 1")
+    records = s.get("records_per_client")
+    require(records is None or (isinstance(records, int) and not isinstance(records, bool) and records >= 1),
+            "trainer.records_per_client", records, "must be an integer >= 1 or None",
+            "set the public number of records per client (None: each client's own count, not public)")
     require(s["batch_size"] is None or s["batch_size"] >= 1, "trainer.batch_size", s["batch_size"], "must be >= 1 or None",
             "set a positive batch size (None: full batch)")
     require(s["clients_per_round"] is None or s["clients_per_round"] >= 1, "trainer.clients_per_round",
@@ -112,6 +116,7 @@ class TrainerSettings:
     sampling_rate: float | None = None
     local_epochs: int | None = None
     local_steps: int | None = None
+    records_per_client: int | None = None
     batch_size: int | None = 32
     client_lr_decay: float = 1.0
     normalize_update_by_lr: bool = False

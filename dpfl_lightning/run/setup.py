@@ -31,6 +31,7 @@ from dpfl_lightning.errors import require
 from dpfl_lightning.tracking.loggers import noise_multiplier_notes, print_privacy_lines
 from dpfl_lightning.federated.payload import UPDATE, PayloadLayout, Segment, check_coverage
 from dpfl_lightning.federated.plan import RoundPlan
+from dpfl_lightning.federated.public_sizes import public_records
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.plugins.sensitivity import SensitivityBound
 from dpfl_lightning.plugins.server_optimizer import ServerOptimizer
@@ -91,7 +92,7 @@ class RunSetup:
         cohort = tuple(self.sampler.sample(self.random, round_idx))
         t = self.plan_template
         return RoundPlan(round_idx, cohort, t["local_steps"], t["local_epochs"], t["batch_size"], "shuffle",
-                         t["client_lr_decay"] ** round_idx)
+                         t["client_lr_decay"] ** round_idx, records_per_client=t["records_per_client"])
 
     def plan_round(self, round_idx: int, module: Any, client_state: Any, stop: Any,
                    clients_on_rank: Any) -> tuple[RoundPlan, ServerContext]:
@@ -148,10 +149,11 @@ def prepare_privacy(settings: TrainerSettings, comm: Communicator, data: Any, mo
         rate = settings.clients_per_round / data.num_clients
     sampler = ClientSampler(settings.sampling, data.num_clients, settings.clients_per_round, rate)
     random = _random_source(settings, comm)
-    plan = RoundPlan(0, (), settings.local_steps, settings.local_epochs, settings.batch_size)
+    records = public_records(settings, data)
+    plan = RoundPlan(0, (), settings.local_steps, settings.local_epochs, settings.batch_size,
+                     records_per_client=records)
     participations = None if random.secure else (lambda rounds: sampler.participation_counts(random, rounds))
-    planner = PrivacyPlanner(sampler.accounted(), settings.rounds, participations, plan.steps_for,
-                             min(data.client_num_samples(c) for c in range(data.num_clients)))
+    planner = PrivacyPlanner(sampler.accounted(), settings.rounds, participations, plan.steps_for, records)
     ctx = SetupContext(module, data, sampler, plan, settings.rounds, random, planner, device or torch.device("cpu"),
                        comm.rank, comm.size, settings.enable_summary, settings.weighting,
                        settings.normalize_update_by_lr)
@@ -368,7 +370,8 @@ def build_run(settings: TrainerSettings, comm: Communicator, module: Any, data: 
         data.warn_nonfinite(private)
     notes = _notes(settings, data, layout, opt_in) if private else []
     template = {"local_steps": settings.local_steps, "local_epochs": settings.local_epochs,
-                "batch_size": settings.batch_size, "client_lr_decay": settings.client_lr_decay}
+                "batch_size": settings.batch_size, "client_lr_decay": settings.client_lr_decay,
+                "records_per_client": ctx.plan.records_per_client}
     return RunSetup(device, ctx.sampler, ctx.random, ctx, layout, releases, ledger, template, settings.weighting, notes,
                     max_client_samples=float(max(data.client_num_samples(c) for c in range(data.num_clients))),
                     plugins=plugins, threads=threads, allgather=comm.allgather_object, alltoall=_alltoall(comm))

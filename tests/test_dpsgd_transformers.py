@@ -50,7 +50,10 @@ class TinyGPT2(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def token_data(num_clients=4, per_client=10):
+PER_CLIENT = 10  # every client's records: the public records_per_client DP-SGD accounts
+
+
+def token_data(num_clients=4, per_client=PER_CLIENT):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (num_clients * per_client, LENGTH), generator=g)
     labels = torch.zeros(len(ids), dtype=torch.long)
@@ -70,7 +73,7 @@ class Spy(FederatedCallback):
 def test_gpt2_default_position_ids_are_refused_at_the_first_step_naming_wpe_and_the_fix(log_dir):
     spy = Spy()
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=4,
-                            plugins=[DPSGD(noise_multiplier=1.0), spy])
+                            records_per_client=PER_CLIENT, plugins=[DPSGD(noise_multiplier=1.0), spy])
     with pytest.raises(ConfigError, match=r"^DPSGD=\['gpt\.transformer\.wpe'\]: .*fewer rows than the batch has "
                                           r"records.*Fix: .*position_ids=torch\.arange\(T\)\.expand\(B, T\)"):
         trainer.fit(TinyGPT2(expand_positions=False), token_data())
@@ -80,7 +83,7 @@ def test_gpt2_default_position_ids_are_refused_at_the_first_step_naming_wpe_and_
 def test_gpt2_with_expanded_position_ids_trains_with_per_record_gradients_of_a_loop(log_dir):
     spy = Spy()
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2, batch_size=4, local_steps=2,
-                            plugins=[DPSGD(noise_multiplier=1.0), spy])
+                            records_per_client=PER_CLIENT, plugins=[DPSGD(noise_multiplier=1.0), spy])
     trainer.fit(TinyGPT2(expand_positions=True), token_data())
     assert len(spy.seen) == 4
     ref = TinyGPT2(expand_positions=True)

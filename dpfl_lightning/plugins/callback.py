@@ -126,9 +126,10 @@ class FederatedCallback:
         """What the client sent, after every plugin's ``on_client_end`` (every bound and noise, in any
         plugin order) and before it is added to the rank's sums: ``released`` holds exactly the row
         that is summed, by segment (with ``weighting="samples"`` the update times the ``weight``
-        segment; a skipped client's noised zero update). Read-only: the mapping refuses assignment
-        and its tensors are copies, as is ``client.payload`` during this hook, so writing to them
-        changes nothing that is summed. Build per-client state that must follow the release here
+        segment; a skipped client's noised zero update). Read-only: the mapping (also
+        ``client.payload`` during this hook) refuses assignment and deletion with
+        :class:`~dpfl_lightning.errors.ReleaseWriteError`, one line naming the plugin and the rule, and
+        its tensors are copies, so writing into them changes nothing that is summed. Build per-client state that must follow the release here
         (SCAFFOLD's ``c_i``, ScaffNew's ``D_i``). Privacy: a segment is only as private as the
         mechanisms that cover it before it leaves the client (``central`` noise: the clipped,
         un-noised value the trusted aggregator sees); keep what you derive in ``client.state`` or

@@ -145,3 +145,46 @@ def test_two_noise_plugins_on_different_segments_draw_independent_noise(log_dir)
     for update, dc in seen.pairs:
         diff = update - dc  # n1 - n2: N(0, 2) per coordinate when independent
         assert diff.std().item() == pytest.approx(math.sqrt(2.0), rel=0.25)
+
+
+def test_the_order_constants_come_with_the_plugin_api():
+    import dpfl_lightning.plugins as api
+    from dpfl_lightning.plugins import (ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, ORDER_DEFAULT, ORDER_LEDGER,
+                                        ORDER_LOCAL_TRAINING, ORDER_SERVER_OPTIMIZER, ORDER_SERVER_STEP,
+                                        MetricRelease, ServerOptimizer)
+
+    names = [n for n in api.__all__ if n.startswith("ORDER_")]
+    assert sorted(names) == ["ORDER_ADD_NOISE", "ORDER_BOUND_SENSITIVITY", "ORDER_DEFAULT", "ORDER_LEDGER",
+                             "ORDER_LOCAL_TRAINING", "ORDER_SERVER_OPTIMIZER", "ORDER_SERVER_STEP"]
+    assert set(names) <= set(dir(api))
+    assert (ORDER_LOCAL_TRAINING < ORDER_BOUND_SENSITIVITY < ORDER_ADD_NOISE < ORDER_DEFAULT < ORDER_SERVER_STEP
+            < ORDER_SERVER_OPTIMIZER < ORDER_LEDGER)
+    assert FederatedCallback.order == ORDER_DEFAULT
+    assert (UpdateClipping(1.0).order, GaussianNoise(noise_multiplier=1.0).order, ServerOptimizer().order,
+            PrivacyLedger().order) == (ORDER_BOUND_SENSITIVITY, ORDER_ADD_NOISE, ORDER_SERVER_OPTIMIZER, ORDER_LEDGER)
+    assert MetricRelease("x", "public", "Mine").matches("x")
+
+
+def test_a_plugin_ordered_by_the_exported_constants_runs_between_noise_and_server_step(log_dir):
+    from dpfl_lightning.plugins import ORDER_ADD_NOISE, ORDER_SERVER_OPTIMIZER, ServerOptimizer
+
+    seen = []
+
+    class Between(FederatedCallback):
+        order = ORDER_ADD_NOISE + 1
+
+        def on_server_update(self, *, server):
+            seen.append(float(server.update.norm()))
+
+    class After(FederatedCallback):
+        order = ORDER_SERVER_OPTIMIZER + 1
+
+        def on_server_update(self, *, server):
+            seen.append(-1.0)
+
+    # listed in reverse: the trainer runs them by order, the noise's sums before either
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2,
+                            plugins=[After(), Between(), ServerOptimizer(), UpdateClipping(1.0),
+                                     GaussianNoise(std=1e-9, allow_infinite_epsilon=True)])
+    trainer.fit(TinyClassifier(), tiny_data())
+    assert len(seen) == 2 and seen[0] > 0 and seen[1] == -1.0

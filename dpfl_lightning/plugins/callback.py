@@ -41,20 +41,22 @@ if TYPE_CHECKING:
     from dpfl_lightning.privacy.mechanisms import Mechanism
     from dpfl_lightning.federated.releases import MetricRelease
 
-# Where a plugin runs relative to the others. Sensitivity must be bounded before noise is added,
-# and noise must be added before anything leaves the client or reaches the server optimizer.
+# Where a plugin runs relative to the others (exported by ``dpfl_lightning.plugins``). Sensitivity must
+# be bounded before noise is added, and noise must be added before anything leaves the client or
+# reaches the server optimizer.
 ORDER_LOCAL_TRAINING = 40  # plugins that change how clients train (DP-SGD, control variates)
-ORDER_BOUND_SENSITIVITY = 100
-ORDER_ADD_NOISE = 200
+ORDER_BOUND_SENSITIVITY = 100  # clipping, normalization
+ORDER_ADD_NOISE = 200  # Gaussian, correlated, discrete noise; local randomizers
+ORDER_DEFAULT = 500  # a plugin that sets no order: after the noise, before the server's steps
 ORDER_SERVER_STEP = 800  # global step sizes
 ORDER_SERVER_OPTIMIZER = 900
-ORDER_LEDGER = 950
+ORDER_LEDGER = 950  # the privacy ledger: accounts the round once everything else ran
 
 
 class FederatedCallback:
     """Base class of plugins. Every hook is a no-op; override the ones you need."""
 
-    order: int = 500
+    order: int = ORDER_DEFAULT
     #: True when the plugin keeps state in ``client.state`` across rounds: every client then trains
     #: on the rank that keeps its state (``client % ranks``) instead of a balanced placement.
     keeps_client_state: bool = False

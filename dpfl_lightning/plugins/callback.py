@@ -86,7 +86,9 @@ class FederatedCallback:
         return []
 
     def released_metrics(self, *, ctx: SetupContext) -> list[MetricRelease]:
-        """The metrics this plugin adds in ``on_round_end``, and what kind of release each is."""
+        """The metrics this plugin adds in ``on_round_end``, and what kind of release each is (``source``:
+        the plugin's class name). A DP run withholds a metric that is not declared; its set-up reads
+        ``on_round_end``'s code and warns once, naming each such key (:mod:`~.metric_keys`)."""
         return []
 
     def value_bound(self, *, segment: str, bound: float | None) -> float | None:

@@ -46,6 +46,51 @@ def _run(tmp_path, strategy="banded", rounds=6, m=5, sampling="cyclic", plugins=
     return tr, cn, out
 
 
+# ------------------------------------------------------------------ the tree's default restarts
+def _prefix_rms(strategy, workload, sep, k):
+    """The root-mean-square noise of the workload's outputs at z = 1: sqrt(sens^2 ||A L||_F^2 / T)."""
+    return math.sqrt(mf.total_squared_error(strategy, workload, sep, k) / workload.T)
+
+
+@pytest.mark.parametrize("T,b,momentum", [(64, 4, 0.0), (64, 8, 0.0), (64, 16, 0.0), (64, 64, 0.0), (30, 5, 0.0),
+                                          (12, 3, 0.0), (40, 7, 0.0), (32, 4, 0.9)])
+def test_the_default_tree_restarts_where_its_error_is_least(tmp_path, T, b, momentum):
+    from dpfl_lightning.plugins.correlated_noise import build_strategy
+
+    w = mf.momentum(T, momentum)
+    k = -(-T // b)
+    chosen = build_strategy("tree", w, b, cache_dir=str(tmp_path))
+    error = _prefix_rms(chosen, w, b, k)
+    # independent noise by hand: C = I has sensitivity sqrt(k), so its error is k ||A||_F^2
+    independent = math.sqrt(k * float(w.matrix().pow(2).sum()) / T)
+    assert _prefix_rms(mf.independent(T), w, b, k) == pytest.approx(independent, rel=1e-12)
+    one_tree = _prefix_rms(mf.tree(T), w, b, k)
+    every = [_prefix_rms(mf.tree(T, h), w, b, k) for h in range(math.ceil(math.log2(T)) + 1)]
+    assert error <= independent * (1 + 1e-12) and error <= one_tree * (1 + 1e-12)
+    assert error == pytest.approx(min(every), rel=1e-12) and chosen.params["height"] == every.index(min(every))
+    assert error < min(independent, one_tree)  # restarts do beat both here: the check can fail
+    if (T, b) == (64, 4):  # the issue's numbers: 16 participations over 64 rounds
+        assert (round(error, 2), round(one_tree, 2), round(independent, 2)) == (15.63, 31.72, 22.80)
+        assert chosen.params["height"] == 3
+    # cached: the same height from the cache, and the same as computed without one
+    assert build_strategy("tree", w, b, cache_dir=str(tmp_path)).params == chosen.params
+    assert build_strategy("tree", w, b).params == chosen.params
+
+
+def test_a_given_tree_height_worse_than_independent_noise_warns(tmp_path, recwarn):
+    # 8 rounds, 2 groups (4 participations): one tree (height 3) 6.16 against independent 4.24
+    _, cn, _ = _run(tmp_path, "tree", rounds=8, m=10, noise=CorrelatedNoise("tree", noise_multiplier=1.0,
+                                                                           tree_height=3))
+    said = [str(w.message) for w in recwarn if "tree_height=3" in str(w.message)]
+    assert len(said) == 1 and "error is 6.16 per round" in said[0] and "independent noise's 4.243" in said[0]
+    assert "Fix: leave tree_height unset" in said[0]
+    recwarn.clear()
+    _, default, _ = _run(tmp_path, "tree", rounds=8, m=10)
+    assert default.strategy.params["height"] == 1 and default.k == 4 and default.min_sep == 2
+    _run(tmp_path, "tree", rounds=8, m=10, noise=CorrelatedNoise("tree", noise_multiplier=1.0, tree_height=1))
+    assert not [w for w in recwarn if "tree_height" in str(w.message)]
+
+
 # ------------------------------------------------------------------ participation
 def test_cyclic_participation_min_separation_and_count():
     s, random, T = ClientSampler("cyclic", 23, 5), rng.RandomSource(7), 14
@@ -165,7 +210,8 @@ def test_secure_resume_restarts_the_mechanism_and_composes_the_segments(tmp_path
         assert cn3.sensitivity == pytest.approx(_brute_sensitivity(cn3.strategy.C, 2, 1), rel=1e-9)
         acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_SPECIAL)
         for event in (dp_accounting.GaussianDpEvent(z1), dp_accounting.GaussianDpEvent(z2),
-                      dp_accounting.SingleEpochTreeAggregationDpEvent(z * cn3.sensitivity, [2])):
+                      dp_accounting.SingleEpochTreeAggregationDpEvent(z * cn3.sensitivity,
+                                                                      _tree_counts(2, cn3.strategy))):
             acc.compose(event)
         expected = acc.get_epsilon(dm)
     else:
@@ -183,16 +229,23 @@ def test_secure_resume_restarts_the_mechanism_and_composes_the_segments(tmp_path
 
 
 # ------------------------------------------------------------------ accounting
-def _dp_accounting_epsilon(strategy, z, sens, T, b, delta, accountant, rate=1.0):
+def _tree_counts(T, strategy):
+    """dp_accounting's step counts of a tree restarted every 2**height rounds over T rounds."""
+    size = 2 ** strategy.params["height"]
+    return [size] * (T // size) + ([T % size] if T % size else [])
+
+
+def _dp_accounting_epsilon(strategy, z, sens, T, b, delta, accountant, rate=1.0, counts=None):
     """Independently of the ledger: the Gaussian mechanism of multiplier z over the stream, dp_accounting's
-    tree event for a single participation, per-participation Poisson-sampled Gaussians when amplified."""
+    tree event for a single participation (``counts``: its restarts), per-participation Poisson-sampled
+    Gaussians when amplified."""
     k = math.ceil(T / b)
     if rate < 1:
         event = dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z * sens)), k)
     elif strategy == "tree" and k == 1:
         acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_SPECIAL)
-        acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z * sens, [T]))
+        acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z * sens, counts or [T]))
         return acc.get_epsilon(delta)
     else:
         event = dp_accounting.GaussianDpEvent(z)
@@ -212,7 +265,9 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path, strategy, m, sampling, ac
     tr, cn, _ = _run(tmp_path, strategy, rounds=T, m=m, sampling=sampling, z=z,
                      plugins=[PrivacyLedger(delta=delta, accountant=accountant)], **kw)
     b = math.ceil(20 / m)
-    expected = _dp_accounting_epsilon(strategy, z, cn.sensitivity, T, b, delta, accountant, kw.get("sampling_rate", 1))
+    counts = _tree_counts(T, cn.strategy) if strategy == "tree" else None
+    expected = _dp_accounting_epsilon(strategy, z, cn.sensitivity, T, b, delta, accountant, kw.get("sampling_rate", 1),
+                                      counts)
     assert tr.epsilon() == pytest.approx(expected, rel=1e-9)
 
 

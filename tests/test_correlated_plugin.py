@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 
 import dp_accounting
 import numpy as np
@@ -20,7 +21,7 @@ from dpfl_lightning.federated.sampling import ClientSampler
 from dpfl_lightning.plugins import AdaptiveClip, CorrelatedNoise, FedEXP, ServerOptimizer, UpdateClipping
 from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.privacy import matrix_factorization as mf
-from tests.helpers import TinyClassifier, quiet_trainer, tiny_data
+from tests.helpers import TinyClassifier, exact_gaussian_epsilon, quiet_trainer, tiny_data
 
 STRATEGIES = ["tree", "banded", "blt", "independent"]
 
@@ -159,10 +160,8 @@ def _secure_resume(tmp_path, strategy, ckpt, name, z):
 
 
 def _gaussians_epsilon(zs, delta):
-    acc = pld.PLDAccountant(value_discretization_interval=1e-3)
-    for z in zs:
-        acc.compose(dp_accounting.GaussianDpEvent(z))
-    return acc.get_epsilon(delta)
+    """Unamplified Gaussians composed are one Gaussian: the ledger gives its exact epsilon."""
+    return exact_gaussian_epsilon(zs, delta)
 
 
 def _released(C, n):
@@ -236,9 +235,9 @@ def _tree_counts(T, strategy):
 
 
 def _dp_accounting_epsilon(strategy, z, sens, T, b, delta, accountant, rate=1.0, counts=None):
-    """Independently of the ledger: the Gaussian mechanism of multiplier z over the stream, dp_accounting's
-    tree event for a single participation (``counts``: its restarts), per-participation Poisson-sampled
-    Gaussians when amplified."""
+    """Independently of the ledger: the Gaussian mechanism of multiplier z over the stream (its exact
+    epsilon, whichever accountant: Balle & Wang 2018), dp_accounting's tree event for a single
+    participation (``counts``: its restarts), per-participation Poisson-sampled Gaussians when amplified."""
     k = math.ceil(T / b)
     if rate < 1:
         event = dp_accounting.SelfComposedDpEvent(
@@ -248,7 +247,7 @@ def _dp_accounting_epsilon(strategy, z, sens, T, b, delta, accountant, rate=1.0,
         acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z * sens, counts or [T]))
         return acc.get_epsilon(delta)
     else:
-        event = dp_accounting.GaussianDpEvent(z)
+        return exact_gaussian_epsilon([z], delta)
     acc = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant(value_discretization_interval=1e-3)
     acc.compose(event)
     return acc.get_epsilon(delta)
@@ -269,6 +268,13 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path, strategy, m, sampling, ac
     expected = _dp_accounting_epsilon(strategy, z, cn.sensitivity, T, b, delta, accountant, kw.get("sampling_rate", 1),
                                       counts)
     assert tr.epsilon() == pytest.approx(expected, rel=1e-9)
+    line = tr.ledger.describe()[0]
+    if cn.stream().kind == "gaussian":  # one Gaussian: exact, and below what dp_accounting's RDP says of it
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_accounting.GaussianDpEvent(z))
+        assert tr.epsilon() < acc.get_epsilon(delta) and f"exact Gaussian accountant ({accountant} was asked for" in line
+    else:
+        assert f"; {accountant} accountant" in line or "rdp accountant" in line
 
 
 @pytest.mark.parametrize("sampling,words", [
@@ -277,12 +283,27 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path, strategy, m, sampling, ac
                           "a Gaussian per participation"])])
 def test_printed_guarantee_names_the_participation_and_the_stream(tmp_path, capsys, sampling, words):
     kw = {"sampling_rate": 0.5} if sampling == "amplified_cyclic" else {}
-    _run(tmp_path, "banded", sampling=sampling, enable_summary=True, **kw)
+    _, cn, _ = _run(tmp_path, "banded", sampling=sampling, enable_summary=True, z=1.3, **kw)
     printed = capsys.readouterr()
     line = next(x for x in (printed.out + printed.err).splitlines() if "client-level DP, central noise" in x)
-    for w in words + ["correlated noise (banded, ", "noise multiplier 1"]:
+    for w in words + ["correlated noise (banded, "]:
         assert w in line, line
     assert "no sampling" not in line and "non-Gaussian" not in line, line
+    # every mention of the noise multiplier is z, as in every other privacy line (never z x sensitivity)
+    assert cn.sensitivity > 1.2
+    said = [float(v) for v in re.findall(r"noise multiplier ([0-9.]+)", line)]
+    assert len(said) == 2 and said == [1.3, 1.3], line
+    if sampling == "amplified_cyclic":  # the per-participation Gaussian is said as such
+        assert f"(x sensitivity {cn.sensitivity:.4g} = {1.3 * cn.sensitivity:.4g} per participation)" in line
+
+
+def test_a_single_participation_tree_prints_z_as_its_noise_multiplier(tmp_path, capsys):
+    _, cn, _ = _run(tmp_path, "tree", rounds=6, m=2, enable_summary=True, z=1.3)  # 10 groups: one participation
+    assert cn.stream().kind == "tree" and cn.sensitivity > 1.2
+    printed = capsys.readouterr()
+    line = next(x for x in (printed.out + printed.err).splitlines() if "client-level DP, central noise" in x)
+    assert [float(v) for v in re.findall(r"noise multiplier ([0-9.]+)", line)] == [1.3, 1.3], line
+    assert f"= {1.3 * cn.sensitivity:.4g} per tree node)" in line
 
 
 def test_target_epsilon_is_met(tmp_path):
@@ -435,11 +456,10 @@ def test_dpfl_audit_runs_canaries_through_correlated_noise(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "100 canaries" in out and "consistent" in out and "REFUTED" not in out and "VIOLATED" not in out
     assert "correlated noise (banded" in out
-    acc = rdp.RdpAccountant()  # the ledger's: one Gaussian of multiplier z over the 6-round stream (4 groups)
-    acc.compose(dp_accounting.GaussianDpEvent(z))
+    ledger = exact_gaussian_epsilon([z], delta)  # the ledger's: one Gaussian of multiplier z over the 6-round stream
     for model in ("only the final model is seen", "every round's model is seen"):
         row = re.search(re.escape(model) + r"\s+([0-9.]+)\s", out)
-        assert float(row.group(1)) == pytest.approx(acc.get_epsilon(delta), abs=6e-4), out
+        assert float(row.group(1)) == pytest.approx(ledger, abs=6e-4), out
 
 
 def test_dpfl_privacy_epsilon_and_selection_plan_give_the_ledgers_epsilon(tmp_path, capsys):
@@ -468,8 +488,7 @@ def test_dpfl_privacy_epsilon_and_selection_plan_give_the_ledgers_epsilon(tmp_pa
             for m in re.finditer(r"^\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", table, re.M)}
     for mean, (selected, one, every) in rows.items():
         assert one == pytest.approx(planned, abs=2e-3)
-        acc = rdp.RdpAccountant()
-        acc.compose(dp_accounting.GaussianDpEvent(z), mean)  # a grid of `mean` runs: the stream `mean` times
-        assert every == pytest.approx(acc.get_epsilon(1e-4), rel=5e-3)
+        # a grid of `mean` runs: the stream `mean` times, one Gaussian of multiplier z / sqrt(mean), exactly
+        assert every == pytest.approx(exact_gaussian_epsilon([z] * mean, 1e-4), rel=5e-3)
         assert selected > 0  # it once composed a stream's release as zero rounds
     assert len(rows) >= 5

@@ -262,15 +262,16 @@ class CorrelatedNoise(CalibratedNoise, FederatedCallback):
         common = dict(rounds=self.T, min_sep=self.min_sep, workload=self.workload.name, strategy=self.strategy_name,
                       start=self.start, before=self._before, replaces=self._replaces)
         if self.rate < 1:  # per participation: a column of norm <= 1, noise z sens C
-            return Stream("participations", z * sens, rate=self.rate, **common)
+            return Stream("participations", z * sens, rate=self.rate, sensitivity=sens, **common)
         if self.strategy_name == "tree" and self.k == 1:  # dp_accounting's single-epoch tree event
-            return Stream("tree", z * sens, restart_every=2 ** self.strategy.params["height"], **common)
+            return Stream("tree", z * sens, restart_every=2 ** self.strategy.params["height"], sensitivity=sens,
+                          **common)
         return Stream("gaussian", z, **common)
 
     def privacy_mechanisms(self, *, ctx) -> list[Mechanism]:
         s = self.stream()
         span = f"{self.T} rounds" if not self.start else f"rounds {self.start + 1}-{self.rounds} (restarted)"
-        what = f"{self.strategy_name} correlated noise over {span} (noise multiplier {s.noise_multiplier:.4g}" \
+        what = f"{self.strategy_name} correlated noise over {span} (noise multiplier {s.z:.4g}" \
                f", sensitivity {self.sensitivity:.4g} of C under participations {self.min_sep} rounds apart, at most " \
                f"{self.k}" + (f", Poisson rate {self.rate:g} inside the group" if self.rate < 1 else "") + ")"
         return [Mechanism.correlated("CorrelatedNoise", s, (UPDATE,), what)]

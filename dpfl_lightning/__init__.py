@@ -7,7 +7,7 @@ them.
 
 from __future__ import annotations
 
-from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError
+from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, ReleaseWriteError
 from dpfl_lightning.lazy import exports
 from dpfl_lightning.moved import install as _install_moved_paths
 
@@ -20,7 +20,7 @@ _LAZY = {
 }
 
 __all__ = ["ConfigError", "FederatedDataModule", "FederatedLightningModule", "FederatedTrainer",
-           "NonFiniteUpdateError", "__version__"]
+           "NonFiniteUpdateError", "ReleaseWriteError", "__version__"]
 
 __getattr__, __dir__ = exports("dpfl_lightning", _LAZY, globals())
 _install_moved_paths()  # old import paths of modules that moved into packages keep working, with a warning

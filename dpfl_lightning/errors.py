@@ -27,6 +27,24 @@ class NonFiniteUpdateError(RuntimeError):
     """A client produced a NaN or infinite update; nothing of the round was applied."""
 
 
+class ReleaseWriteError(TypeError):
+    """A plugin assigned or deleted a segment of the read-only release in ``on_client_released``.
+
+    The message names the plugin, the hook, the segment and the rule on one line (a ``TypeError``,
+    as the mapping's own refusal was, so code that caught that still does).
+    """
+
+    def __init__(self, plugin: str, what: str) -> None:
+        self.plugin = plugin
+        super().__init__(f"{plugin}.on_client_released {what}: the release is read-only (it is the row as it is "
+                         "summed, after every on_client_end). Fix: keep what you derive from it in client.state or "
+                         "in the plugin's own state, and change the payload in on_client_end")
+
+
+#: the errors whose message is the whole story: the front end prints it as one line, without a traceback
+ONE_LINE_ERRORS = (ConfigError, NonFiniteUpdateError, ReleaseWriteError)
+
+
 def require(condition: bool, setting: str, value: object, problem: str, fix: str) -> None:
     """Raise :class:`ConfigError` unless ``condition`` holds."""
     if not condition:
@@ -59,9 +77,9 @@ def drain_output(timeout_s: float = 2.0) -> None:
 
 
 def failure_line(exc: BaseException, rank: int, size: int) -> str:
-    """``dpfl: error (rank r): <reason>`` on one line: the message of a :class:`ConfigError` or
-    :class:`NonFiniteUpdateError` as it is, else the exception's type and first line."""
-    text = str(exc) if isinstance(exc, (ConfigError, NonFiniteUpdateError)) else f"{type(exc).__name__}: {exc}"
+    """``dpfl: error (rank r): <reason>`` on one line: the message of one of :data:`ONE_LINE_ERRORS`
+    as it is, else the exception's type and first line."""
+    text = str(exc) if isinstance(exc, ONE_LINE_ERRORS) else f"{type(exc).__name__}: {exc}"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return f"dpfl: error{f' (rank {rank})' if size > 1 else ''}: {first}"
 

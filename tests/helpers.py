@@ -189,3 +189,22 @@ def neighbouring_data(change: str | None, num_clients: int, records: int, marker
     elif change == "fewer":
         clients[3] = clients[3][:6]
     return FederatedDataModule.from_tensors(x, y, xt, yt, client_indices=clients)
+
+
+def exact_gaussian_epsilon(zs, delta: float) -> float:
+    """Independently of the package: the exact epsilon of Gaussian mechanisms of multipliers ``zs``
+    composed (one Gaussian of multiplier ``(sum z^-2)^(-1/2)``), the root of Balle & Wang's (2018,
+    Thm 8) ``delta(eps) = Phi(1/(2z) - eps z) - e^eps Phi(-1/(2z) - eps z)``, with scipy's normal cdf."""
+    import math
+
+    from scipy import optimize
+    from scipy.stats import norm
+
+    z = sum(float(x) ** -2 for x in zs) ** -0.5
+
+    def excess(eps):
+        return norm.cdf(0.5 / z - eps * z) - math.exp(eps) * norm.cdf(-0.5 / z - eps * z) - delta
+
+    if excess(0.0) <= 0:
+        return 0.0
+    return optimize.brentq(excess, 0.0, 200.0, xtol=1e-14)

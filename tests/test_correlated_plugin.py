@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 
 import dp_accounting
 import numpy as np
@@ -20,7 +21,7 @@ from dpfl_lightning.federated.sampling import ClientSampler
 from dpfl_lightning.plugins import AdaptiveClip, CorrelatedNoise, FedEXP, ServerOptimizer, UpdateClipping
 from dpfl_lightning.plugins.callback import FederatedCallback
 from dpfl_lightning.privacy import matrix_factorization as mf
-from tests.helpers import TinyClassifier, quiet_trainer, tiny_data
+from tests.helpers import TinyClassifier, exact_gaussian_epsilon, quiet_trainer, tiny_data
 
 STRATEGIES = ["tree", "banded", "blt", "independent"]
 
@@ -44,6 +45,51 @@ def _run(tmp_path, strategy="banded", rounds=6, m=5, sampling="cyclic", plugins=
                        plugins=[UpdateClipping(1.0), cn, *plugins], **kw)
     out = tr.fit(model or TinyClassifier(), data or tiny_data())
     return tr, cn, out
+
+
+# ------------------------------------------------------------------ the tree's default restarts
+def _prefix_rms(strategy, workload, sep, k):
+    """The root-mean-square noise of the workload's outputs at z = 1: sqrt(sens^2 ||A L||_F^2 / T)."""
+    return math.sqrt(mf.total_squared_error(strategy, workload, sep, k) / workload.T)
+
+
+@pytest.mark.parametrize("T,b,momentum", [(64, 4, 0.0), (64, 8, 0.0), (64, 16, 0.0), (64, 64, 0.0), (30, 5, 0.0),
+                                          (12, 3, 0.0), (40, 7, 0.0), (32, 4, 0.9)])
+def test_the_default_tree_restarts_where_its_error_is_least(tmp_path, T, b, momentum):
+    from dpfl_lightning.plugins.correlated_noise import build_strategy
+
+    w = mf.momentum(T, momentum)
+    k = -(-T // b)
+    chosen = build_strategy("tree", w, b, cache_dir=str(tmp_path))
+    error = _prefix_rms(chosen, w, b, k)
+    # independent noise by hand: C = I has sensitivity sqrt(k), so its error is k ||A||_F^2
+    independent = math.sqrt(k * float(w.matrix().pow(2).sum()) / T)
+    assert _prefix_rms(mf.independent(T), w, b, k) == pytest.approx(independent, rel=1e-12)
+    one_tree = _prefix_rms(mf.tree(T), w, b, k)
+    every = [_prefix_rms(mf.tree(T, h), w, b, k) for h in range(math.ceil(math.log2(T)) + 1)]
+    assert error <= independent * (1 + 1e-12) and error <= one_tree * (1 + 1e-12)
+    assert error == pytest.approx(min(every), rel=1e-12) and chosen.params["height"] == every.index(min(every))
+    assert error < min(independent, one_tree)  # restarts do beat both here: the check can fail
+    if (T, b) == (64, 4):  # the issue's numbers: 16 participations over 64 rounds
+        assert (round(error, 2), round(one_tree, 2), round(independent, 2)) == (15.63, 31.72, 22.80)
+        assert chosen.params["height"] == 3
+    # cached: the same height from the cache, and the same as computed without one
+    assert build_strategy("tree", w, b, cache_dir=str(tmp_path)).params == chosen.params
+    assert build_strategy("tree", w, b).params == chosen.params
+
+
+def test_a_given_tree_height_worse_than_independent_noise_warns(tmp_path, recwarn):
+    # 8 rounds, 2 groups (4 participations): one tree (height 3) 6.16 against independent 4.24
+    _, cn, _ = _run(tmp_path, "tree", rounds=8, m=10, noise=CorrelatedNoise("tree", noise_multiplier=1.0,
+                                                                           tree_height=3))
+    said = [str(w.message) for w in recwarn if "tree_height=3" in str(w.message)]
+    assert len(said) == 1 and "error is 6.16 per round" in said[0] and "independent noise's 4.243" in said[0]
+    assert "Fix: leave tree_height unset" in said[0]
+    recwarn.clear()
+    _, default, _ = _run(tmp_path, "tree", rounds=8, m=10)
+    assert default.strategy.params["height"] == 1 and default.k == 4 and default.min_sep == 2
+    _run(tmp_path, "tree", rounds=8, m=10, noise=CorrelatedNoise("tree", noise_multiplier=1.0, tree_height=1))
+    assert not [w for w in recwarn if "tree_height" in str(w.message)]
 
 
 # ------------------------------------------------------------------ participation
@@ -114,10 +160,8 @@ def _secure_resume(tmp_path, strategy, ckpt, name, z):
 
 
 def _gaussians_epsilon(zs, delta):
-    acc = pld.PLDAccountant(value_discretization_interval=1e-3)
-    for z in zs:
-        acc.compose(dp_accounting.GaussianDpEvent(z))
-    return acc.get_epsilon(delta)
+    """Unamplified Gaussians composed are one Gaussian: the ledger gives its exact epsilon."""
+    return exact_gaussian_epsilon(zs, delta)
 
 
 def _released(C, n):
@@ -165,7 +209,8 @@ def test_secure_resume_restarts_the_mechanism_and_composes_the_segments(tmp_path
         assert cn3.sensitivity == pytest.approx(_brute_sensitivity(cn3.strategy.C, 2, 1), rel=1e-9)
         acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_SPECIAL)
         for event in (dp_accounting.GaussianDpEvent(z1), dp_accounting.GaussianDpEvent(z2),
-                      dp_accounting.SingleEpochTreeAggregationDpEvent(z * cn3.sensitivity, [2])):
+                      dp_accounting.SingleEpochTreeAggregationDpEvent(z * cn3.sensitivity,
+                                                                      _tree_counts(2, cn3.strategy))):
             acc.compose(event)
         expected = acc.get_epsilon(dm)
     else:
@@ -183,19 +228,26 @@ def test_secure_resume_restarts_the_mechanism_and_composes_the_segments(tmp_path
 
 
 # ------------------------------------------------------------------ accounting
-def _dp_accounting_epsilon(strategy, z, sens, T, b, delta, accountant, rate=1.0):
-    """Independently of the ledger: the Gaussian mechanism of multiplier z over the stream, dp_accounting's
-    tree event for a single participation, per-participation Poisson-sampled Gaussians when amplified."""
+def _tree_counts(T, strategy):
+    """dp_accounting's step counts of a tree restarted every 2**height rounds over T rounds."""
+    size = 2 ** strategy.params["height"]
+    return [size] * (T // size) + ([T % size] if T % size else [])
+
+
+def _dp_accounting_epsilon(strategy, z, sens, T, b, delta, accountant, rate=1.0, counts=None):
+    """Independently of the ledger: the Gaussian mechanism of multiplier z over the stream (its exact
+    epsilon, whichever accountant: Balle & Wang 2018), dp_accounting's tree event for a single
+    participation (``counts``: its restarts), per-participation Poisson-sampled Gaussians when amplified."""
     k = math.ceil(T / b)
     if rate < 1:
         event = dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z * sens)), k)
     elif strategy == "tree" and k == 1:
         acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_SPECIAL)
-        acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z * sens, [T]))
+        acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z * sens, counts or [T]))
         return acc.get_epsilon(delta)
     else:
-        event = dp_accounting.GaussianDpEvent(z)
+        return exact_gaussian_epsilon([z], delta)
     acc = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant(value_discretization_interval=1e-3)
     acc.compose(event)
     return acc.get_epsilon(delta)
@@ -212,8 +264,17 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path, strategy, m, sampling, ac
     tr, cn, _ = _run(tmp_path, strategy, rounds=T, m=m, sampling=sampling, z=z,
                      plugins=[PrivacyLedger(delta=delta, accountant=accountant)], **kw)
     b = math.ceil(20 / m)
-    expected = _dp_accounting_epsilon(strategy, z, cn.sensitivity, T, b, delta, accountant, kw.get("sampling_rate", 1))
+    counts = _tree_counts(T, cn.strategy) if strategy == "tree" else None
+    expected = _dp_accounting_epsilon(strategy, z, cn.sensitivity, T, b, delta, accountant, kw.get("sampling_rate", 1),
+                                      counts)
     assert tr.epsilon() == pytest.approx(expected, rel=1e-9)
+    line = tr.ledger.describe()[0]
+    if cn.stream().kind == "gaussian":  # one Gaussian: exact, and below what dp_accounting's RDP says of it
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_accounting.GaussianDpEvent(z))
+        assert tr.epsilon() < acc.get_epsilon(delta) and f"exact Gaussian accountant ({accountant} was asked for" in line
+    else:
+        assert f"; {accountant} accountant" in line or "rdp accountant" in line
 
 
 @pytest.mark.parametrize("sampling,words", [
@@ -222,12 +283,27 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path, strategy, m, sampling, ac
                           "a Gaussian per participation"])])
 def test_printed_guarantee_names_the_participation_and_the_stream(tmp_path, capsys, sampling, words):
     kw = {"sampling_rate": 0.5} if sampling == "amplified_cyclic" else {}
-    _run(tmp_path, "banded", sampling=sampling, enable_summary=True, **kw)
+    _, cn, _ = _run(tmp_path, "banded", sampling=sampling, enable_summary=True, z=1.3, **kw)
     printed = capsys.readouterr()
     line = next(x for x in (printed.out + printed.err).splitlines() if "client-level DP, central noise" in x)
-    for w in words + ["correlated noise (banded, ", "noise multiplier 1"]:
+    for w in words + ["correlated noise (banded, "]:
         assert w in line, line
     assert "no sampling" not in line and "non-Gaussian" not in line, line
+    # every mention of the noise multiplier is z, as in every other privacy line (never z x sensitivity)
+    assert cn.sensitivity > 1.2
+    said = [float(v) for v in re.findall(r"noise multiplier ([0-9.]+)", line)]
+    assert len(said) == 2 and said == [1.3, 1.3], line
+    if sampling == "amplified_cyclic":  # the per-participation Gaussian is said as such
+        assert f"(x sensitivity {cn.sensitivity:.4g} = {1.3 * cn.sensitivity:.4g} per participation)" in line
+
+
+def test_a_single_participation_tree_prints_z_as_its_noise_multiplier(tmp_path, capsys):
+    _, cn, _ = _run(tmp_path, "tree", rounds=6, m=2, enable_summary=True, z=1.3)  # 10 groups: one participation
+    assert cn.stream().kind == "tree" and cn.sensitivity > 1.2
+    printed = capsys.readouterr()
+    line = next(x for x in (printed.out + printed.err).splitlines() if "client-level DP, central noise" in x)
+    assert [float(v) for v in re.findall(r"noise multiplier ([0-9.]+)", line)] == [1.3, 1.3], line
+    assert f"= {1.3 * cn.sensitivity:.4g} per tree node)" in line
 
 
 def test_target_epsilon_is_met(tmp_path):
@@ -380,11 +456,10 @@ def test_dpfl_audit_runs_canaries_through_correlated_noise(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "100 canaries" in out and "consistent" in out and "REFUTED" not in out and "VIOLATED" not in out
     assert "correlated noise (banded" in out
-    acc = rdp.RdpAccountant()  # the ledger's: one Gaussian of multiplier z over the 6-round stream (4 groups)
-    acc.compose(dp_accounting.GaussianDpEvent(z))
+    ledger = exact_gaussian_epsilon([z], delta)  # the ledger's: one Gaussian of multiplier z over the 6-round stream
     for model in ("only the final model is seen", "every round's model is seen"):
         row = re.search(re.escape(model) + r"\s+([0-9.]+)\s", out)
-        assert float(row.group(1)) == pytest.approx(acc.get_epsilon(delta), abs=6e-4), out
+        assert float(row.group(1)) == pytest.approx(ledger, abs=6e-4), out
 
 
 def test_dpfl_privacy_epsilon_and_selection_plan_give_the_ledgers_epsilon(tmp_path, capsys):
@@ -413,8 +488,7 @@ def test_dpfl_privacy_epsilon_and_selection_plan_give_the_ledgers_epsilon(tmp_pa
             for m in re.finditer(r"^\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", table, re.M)}
     for mean, (selected, one, every) in rows.items():
         assert one == pytest.approx(planned, abs=2e-3)
-        acc = rdp.RdpAccountant()
-        acc.compose(dp_accounting.GaussianDpEvent(z), mean)  # a grid of `mean` runs: the stream `mean` times
-        assert every == pytest.approx(acc.get_epsilon(1e-4), rel=5e-3)
+        # a grid of `mean` runs: the stream `mean` times, one Gaussian of multiplier z / sqrt(mean), exactly
+        assert every == pytest.approx(exact_gaussian_epsilon([z] * mean, 1e-4), rel=5e-3)
         assert selected > 0  # it once composed a stream's release as zero rounds
     assert len(rows) >= 5

@@ -145,3 +145,121 @@ def test_two_noise_plugins_on_different_segments_draw_independent_noise(log_dir)
     for update, dc in seen.pairs:
         diff = update - dc  # n1 - n2: N(0, 2) per coordinate when independent
         assert diff.std().item() == pytest.approx(math.sqrt(2.0), rel=0.25)
+
+
+def test_the_order_constants_come_with_the_plugin_api():
+    import dpfl_lightning.plugins as api
+    from dpfl_lightning.plugins import (ORDER_ADD_NOISE, ORDER_BOUND_SENSITIVITY, ORDER_DEFAULT, ORDER_LEDGER,
+                                        ORDER_LOCAL_TRAINING, ORDER_SERVER_OPTIMIZER, ORDER_SERVER_STEP,
+                                        MetricRelease, ServerOptimizer)
+
+    names = [n for n in api.__all__ if n.startswith("ORDER_")]
+    assert sorted(names) == ["ORDER_ADD_NOISE", "ORDER_BOUND_SENSITIVITY", "ORDER_DEFAULT", "ORDER_LEDGER",
+                             "ORDER_LOCAL_TRAINING", "ORDER_SERVER_OPTIMIZER", "ORDER_SERVER_STEP"]
+    assert set(names) <= set(dir(api))
+    assert (ORDER_LOCAL_TRAINING < ORDER_BOUND_SENSITIVITY < ORDER_ADD_NOISE < ORDER_DEFAULT < ORDER_SERVER_STEP
+            < ORDER_SERVER_OPTIMIZER < ORDER_LEDGER)
+    assert FederatedCallback.order == ORDER_DEFAULT
+    assert (UpdateClipping(1.0).order, GaussianNoise(noise_multiplier=1.0).order, ServerOptimizer().order,
+            PrivacyLedger().order) == (ORDER_BOUND_SENSITIVITY, ORDER_ADD_NOISE, ORDER_SERVER_OPTIMIZER, ORDER_LEDGER)
+    assert MetricRelease("x", "public", "Mine").matches("x")
+
+
+def test_a_plugin_ordered_by_the_exported_constants_runs_between_noise_and_server_step(log_dir):
+    from dpfl_lightning.plugins import ORDER_ADD_NOISE, ORDER_SERVER_OPTIMIZER, ServerOptimizer
+
+    seen = []
+
+    class Between(FederatedCallback):
+        order = ORDER_ADD_NOISE + 1
+
+        def on_server_update(self, *, server):
+            seen.append(float(server.update.norm()))
+
+    class After(FederatedCallback):
+        order = ORDER_SERVER_OPTIMIZER + 1
+
+        def on_server_update(self, *, server):
+            seen.append(-1.0)
+
+    # listed in reverse: the trainer runs them by order, the noise's sums before either
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2,
+                            plugins=[After(), Between(), ServerOptimizer(), UpdateClipping(1.0),
+                                     GaussianNoise(std=1e-9, allow_infinite_epsilon=True)])
+    trainer.fit(TinyClassifier(), tiny_data())
+    assert len(seen) == 2 and seen[0] > 0 and seen[1] == -1.0
+
+
+class Chatty(FederatedCallback):
+    """Logs one declared metric, two undeclared ones (one only under a data condition) and a family."""
+
+    def released_metrics(self, *, ctx):
+        from dpfl_lightning.plugins import MetricRelease
+
+        return [MetricRelease("declared_one", "public", "Chatty")]
+
+    def on_round_end(self, *, server, metrics):
+        metrics["declared_one"] = 1.0
+        metrics["plain_stat"] = 2.0
+        if server.aggregate is not None and float(server.aggregate["update"].sum()) > 1e9:
+            metrics.update({"rare_stat": 3.0})  # never reached: the warning must name it anyway
+        for i in range(2):
+            metrics[f"per_group_{i}"] = float(i)
+
+
+def _undeclared_warnings(log_dir, plugins, **kw):
+    import warnings
+
+    trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=3, plugins=plugins, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyClassifier(), tiny_data())
+    return trainer, [str(w.message) for w in caught if "without declaring them in released_metrics" in str(w.message)
+                     or "unless released_metrics declares them" in str(w.message)]
+
+
+def test_a_dp_run_names_each_undeclared_plugin_metric_once_at_set_up(log_dir):
+    dp = [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)]
+    trainer, said = _undeclared_warnings(log_dir, [*dp, Chatty()])
+    assert len(said) == 1, said
+    (line,) = said
+    assert "Chatty logs 'plain_stat', 'rare_stat', 'per_group_*' in on_round_end without declaring them" in line
+    assert "'declared_one'" not in line
+    assert "Fix: return MetricRelease('plain_stat', kind, 'Chatty') from Chatty.released_metrics" in line
+    assert {"plain_stat", "per_group_0"} <= trainer.run.releases.withheld and "declared_one" in trainer.history[0]
+    assert "rare_stat" not in trainer.run.releases.withheld  # it was never logged, and is named all the same
+    withheld = trainer.run.releases.withheld_line()
+    assert all(k in withheld for k in ("plain_stat", "rare_stat", "per_group_*"))
+    # the built-in plugins declare what they log: nothing to say about them, whatever the placement
+    for placement in ("central", "local"):
+        _, quiet = _undeclared_warnings(log_dir, [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0,
+                                                                                     placement=placement)])
+        assert quiet == []
+    # a run that releases client metrics knowingly, or one without DP, withholds nothing: no warning
+    assert _undeclared_warnings(log_dir, [*dp, Chatty()], log_client_metrics=True)[1] == []
+    assert _undeclared_warnings(log_dir, [Chatty()])[1] == []
+
+
+def test_the_undeclared_warning_depends_on_the_code_not_the_data(log_dir):
+    dp = lambda: [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0)]  # noqa: E731
+    import warnings
+
+    said = []
+    for data in (tiny_data(), tiny_data(num_clients=12)):
+        trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=3, plugins=[*dp(), Chatty()])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyClassifier(), data)
+        said.append([str(w.message) for w in caught if "released_metrics" in str(w.message)])
+    assert said[0] == said[1] and len(said[0]) == 1
+
+
+def test_a_metric_written_under_a_computed_key_is_said_without_a_name(log_dir):
+    class Computed(FederatedCallback):
+        def on_round_end(self, *, server, metrics):
+            key = "x" + str(server.round_idx % 1)
+            metrics[key] = 1.0
+
+    _, said = _undeclared_warnings(log_dir, [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0), Computed()])
+    assert len(said) == 1 and "keys written by Computed.on_round_end (" in said[0]
+    assert "a key the code computes" in said[0] and "'x0'" not in said[0]

@@ -70,6 +70,55 @@ def test_full_participation_pld_matches_the_gaussian_dp_closed_form():
     assert ours == pytest.approx(exact, rel=0.01) and ours >= exact * (1 - 1e-6)
 
 
+@pytest.mark.parametrize("z", [0.4, 1.338, 3.0, 20.0])
+@pytest.mark.parametrize("delta", [1e-3, 1e-4, 1e-8])
+def test_the_exact_gaussian_epsilon_equals_balle_and_wangs_formula(z, delta):
+    from dpfl_lightning.privacy.accountants import gaussian_epsilon
+
+    ours = gaussian_epsilon(z, delta)
+
+    def excess(e):  # Balle & Wang 2018, Thm 8, with scipy's normal cdf (not the package's log-space one)
+        return stats.norm.cdf(0.5 / z - e * z) - math.exp(e) * stats.norm.cdf(-0.5 / z - e * z) - delta
+
+    assert ours == pytest.approx(optimize.brentq(excess, 0.0, 100.0, xtol=1e-14), rel=1e-9, abs=1e-12)
+    assert excess(ours) <= 1e-15 and excess(ours * (1 - 1e-6)) > 0  # never below, and the least
+    # every accountant bounds it from above
+    assert ours <= epsilon(GaussianRelease(z), 1, delta, "rdp").epsilon
+    assert ours <= epsilon(GaussianRelease(z), 1, delta, "pld").epsilon * (1 + 1e-9)
+
+
+def test_the_issues_ftrl_value_rdp_against_exact():
+    from dpfl_lightning.privacy.accountants import gaussian_epsilon
+
+    # ftrl_*.yaml before: z = 1.338 (printed to 4 digits) for one Gaussian over the stream, delta 1e-4,
+    # calibrated under rdp: rdp 2.977, exactly 2.701
+    assert epsilon(GaussianRelease(1.338), 1, 1e-4, "rdp").epsilon == pytest.approx(2.977, abs=2e-3)
+    assert gaussian_epsilon(1.338, 1e-4) == pytest.approx(2.701, abs=1e-3)
+
+
+def test_composed_unamplified_gaussians_are_one_exact_gaussian():
+    from dpfl_lightning.privacy.accountants import EXACT, one_gaussian
+    from dpfl_lightning.privacy.mechanisms import Stream
+
+    add = NeighboringRelation.ADD_OR_REMOVE_ONE
+    g = dp_accounting.GaussianDpEvent
+    assert one_gaussian([(g(2.0), add), (dp_accounting.SelfComposedDpEvent(g(4.0), 3), add)]) == \
+        pytest.approx((2.0 ** -2 + 3 * 4.0 ** -2) ** -0.5, rel=1e-15)
+    assert one_gaussian([(dp_accounting.PoissonSampledDpEvent(0.5, g(1.0)), add)]) is None
+    assert one_gaussian([(g(1.0), NeighboringRelation.REPLACE_SPECIAL)]) is None
+    # a stream with another Gaussian composed per participation: one Gaussian, exactly
+    stream = Stream("gaussian", 1.5, rounds=12, min_sep=3)
+    release = Release((g(6.0),), stream=stream)
+    res = epsilon(release, 12, 1e-5, "rdp")
+    expected_z = (1.5 ** -2 + (6.0 / 2.0) ** -2) ** -0.5  # 4 participations: the other is 6 / sqrt(4)
+    exact = optimize.brentq(lambda e: stats.norm.cdf(0.5 / expected_z - e * expected_z) - math.exp(e)
+                            * stats.norm.cdf(-0.5 / expected_z - e * expected_z) - 1e-5, 0, 100, xtol=1e-14)
+    assert res.method == EXACT and res.epsilon == pytest.approx(exact, rel=1e-9)
+    # amplified per participation: not one Gaussian, the asked accountant's
+    amplified = Release((), stream=Stream("participations", 1.5, rounds=12, min_sep=3, rate=0.5))
+    assert epsilon(amplified, 12, 1e-5, "rdp").method == "rdp"
+
+
 def _exact_rr_epsilon(eps0: float, k: int, delta: float) -> float:
     """k-fold binary randomized response with epsilon0 each, exactly: the privacy loss is
     eps0 * (2 B - k) with B ~ Binomial(k, e^eps0 / (1 + e^eps0)), and

@@ -1,14 +1,19 @@
 """FederatedCallback.on_client_released: what each client sent, after every plugin's on_client_end and
 before the row is summed, read-only; in both executors."""
 
+import os
+
 import pytest
 import torch
 
+from dpfl_lightning.cli import command as cli
+from dpfl_lightning.errors import ReleaseWriteError
 from dpfl_lightning.federated.payload import Segment
 from dpfl_lightning.plugins import FederatedCallback, GaussianNoise, UpdateClipping
 from helpers import TinyClassifier, quiet_trainer, tiny_data
 
 ROUNDS, COHORT = 2, 4
+QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 
 
 class Stamp(FederatedCallback):
@@ -93,3 +98,53 @@ def test_writing_to_the_release_is_refused_or_changes_nothing_summed(log_dir, ex
     assert torch.equal(written, plain)  # in-place writes went to copies
     moved = _fit(log_dir, executor, [])
     assert not torch.equal(moved, plain)  # (the clipping plugin does change the model: the check can fail)
+
+
+PLUGIN_FILE = '''
+import torch
+from dpfl_lightning.plugins import FederatedCallback
+
+
+class Overwrite(FederatedCallback):
+    def on_client_released(self, *, client, released):
+        released["update"] = torch.zeros_like(released["update"])
+'''
+
+
+@pytest.mark.parametrize("write", ["assign", "delete", "payload", "update"])
+def test_writing_to_the_release_is_one_error_naming_the_plugin_the_hook_and_the_rule(log_dir, write):
+    class Overwrite(FederatedCallback):
+        def on_client_released(self, *, client, released):
+            if write == "assign":
+                released["update"] = torch.zeros(1)
+            elif write == "delete":
+                del released["update"]
+            elif write == "payload":
+                client.payload["update"] = torch.zeros(1)
+            else:
+                released.update({"update": torch.zeros(1)})
+
+    with pytest.raises(ReleaseWriteError) as info:
+        _fit(log_dir, "sequential", [UpdateClipping(0.5), Overwrite()])
+    message = str(info.value)
+    assert "\n" not in message and isinstance(info.value, TypeError)
+    assert message.startswith("Overwrite.on_client_released ")
+    assert "'update'" in message or "update()" in message
+    assert "the release is read-only" in message and "Fix: keep what you derive from it in client.state" in message
+
+
+def test_the_command_line_prints_a_write_to_the_release_as_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "overwrite.py").write_text(PLUGIN_FILE)
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", QUICKSTART, "--trainer.rounds", "1", "--trainer.loggers", "[]",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_summary", "false",
+            "--trainer.checkpoint_every", "null", "--trainer.log_dir", str(tmp_path / "runs"),
+            "--trainer.plugins+", "overwrite.Overwrite"]
+    with pytest.raises(SystemExit) as info:
+        cli.main(args)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("dpfl: error")]
+    assert lines == [lines[0]] and lines[0].startswith("dpfl: error: Overwrite.on_client_released assigned "
+                                                       "released['update']: the release is read-only"), err
+    assert "Traceback" not in err, err

@@ -50,7 +50,7 @@ from jsonargparse import ArgumentParser
 from dpfl_lightning import errors
 from dpfl_lightning.cli.run_objects import expect_model_labels, federated_data, run_config_text, seed_model
 from dpfl_lightning.cli.parsers import build_parser, command_of, fit_parser, parse_error_line
-from dpfl_lightning.errors import ConfigError, NonFiniteUpdateError, require
+from dpfl_lightning.errors import ONE_LINE_ERRORS, ConfigError, require
 
 __all__ = ["build_parser", "expect_model_labels", "federated_data", "fit_parser", "main", "parse", "run_config_text",
            "run_fit", "run_stage", "seed_model"]
@@ -159,7 +159,7 @@ def _root_cause(exc: BaseException) -> BaseException:
     seen = exc
     while seen.__cause__ is not None or (seen.__context__ is not None and not seen.__suppress_context__):
         nxt = seen.__cause__ or seen.__context__
-        if isinstance(nxt, (ConfigError, NonFiniteUpdateError)):
+        if isinstance(nxt, ONE_LINE_ERRORS):
             return nxt
         seen = nxt
     return exc
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         reported = errors.was_reported(exc) or errors.was_reported(cause)
         if isinstance(cause, ConfigError):
             _fail(str(cause), EXIT_CONFIG, reported)
-        if isinstance(cause, NonFiniteUpdateError):
+        if isinstance(cause, ONE_LINE_ERRORS):  # a non-finite update, a plugin writing to the release
             _fail(str(cause), EXIT_FAILURE, reported)
         traceback.print_exc()
         _fail(f"{type(cause).__name__}: {cause}", EXIT_FAILURE, reported)

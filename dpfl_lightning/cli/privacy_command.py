@@ -63,7 +63,8 @@ def _print_epsilon(trainer: Any, ledger: PrivacyLedger) -> None:
     eps = ledger.planned_epsilons(trainer.rounds)
     for g, line in zip(ledger.guarantees, ledger.describe()):
         note = ledger.method_notes.get(g.name, "")
-        print(f"epsilon = {eps[g.name]:.4f} after {trainer.rounds} rounds: {line}" + (f" [{note}]" if note else ""))
+        shown = note and note not in line  # the line may give the reason already (the accountant used)
+        print(f"epsilon = {eps[g.name]:.4f} after {trainer.rounds} rounds: {line}" + (f" [{note}]" if shown else ""))
 
 
 def _sampler(cfg: Any) -> ClientSampler:

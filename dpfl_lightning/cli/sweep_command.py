@@ -68,10 +68,11 @@ def plan_fit(arguments: Sequence[str], label: str = "", rounds: int | None = Non
 
 def _composable(release: Any, steps: int, label: str) -> tuple[Any, int]:
     """``(release, steps)`` whose ``steps``-fold composition is the run's: a correlated-noise stream is
-    not a per-round release, so its whole run becomes one release of the stream's events."""
+    not a per-round release, so its whole run becomes one release of the stream's events (marked
+    ``exact`` where they are one Gaussian: the ledger's exact Gaussian then accounts whole runs too)."""
     if release.stream is None:
         return release, steps
-    from dpfl_lightning.privacy.accountants import Release, stream_events
+    from dpfl_lightning.privacy.accountants import Release, one_gaussian, stream_events
 
     events = stream_events(release, steps)
     if any(rel.name == "REPLACE_SPECIAL" for _, rel in events):
@@ -79,7 +80,8 @@ def _composable(release: Any, steps: int, label: str) -> tuple[Any, int]:
                           "participation per client) is accounted under dp_accounting's special replace relation, "
                           "which private selection does not compose", "use strategy banded or blt, or more rounds "
                           "than cyclic groups; dpfl privacy epsilon gives the run's own epsilon")
-    return Release(tuple(e for e, _ in events)), 1
+    # one Gaussian mechanism (no amplification): its runs compose exactly, as the run's ledger accounts it
+    return Release(tuple(e for e, _ in events), exact=one_gaussian(events) is not None), 1
 
 
 def run_sweep(cfg: Any, out: Any = None) -> int:

@@ -18,7 +18,8 @@ the history and the checkpoints -- unless the user sets ``log_client_metrics=Tru
 the run's privacy line lists it as released and not accounted.
 
 Plugins declare the metrics they log (:meth:`FederatedCallback.released_metrics`); a key a plugin
-logs without declaring it counts as ``unaccounted``.
+logs without declaring it counts as ``unaccounted``. The set-up of a DP run reads the plugins' code for
+such keys and warns once, naming them (:mod:`dpfl_lightning.plugins.metric_keys`: from code, not data).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class ReleaseList:
         self.released_unaccounted: set[str] = set()
         self.released_kinds: dict[str, str] = {}  # every key released, with its kind
         self.record_path: str | None = None  # rank 0 of a DP run: where released_kinds is written
+        #: keys the plugins' code writes without declaring them (read from the code at set-up: public)
+        self.undeclared: list[str] = []
 
     def record_to(self, path: str, evaluation_from_clients: bool) -> None:
         """Write the kind of every released key to ``path`` (JSON; keys already released before a
@@ -80,6 +83,14 @@ class ReleaseList:
 
     def declare(self, *releases: MetricRelease) -> None:
         self.declared.extend(releases)
+
+    def declares(self, key: str, source: str) -> bool:
+        """Whether ``source`` declared ``key``: a key, or a family ``prefix*`` covered by a declared family."""
+        for r in (r for r in self.declared if r.source == source):
+            family = key.endswith("*")
+            if (not family and r.matches(key)) or (family and r.key.endswith("*") and key.startswith(r.key[:-1])):
+                return True
+        return False
 
     def kind(self, key: str, source: str | None = None) -> str:
         """The kind of ``key`` as declared (by ``source``, when given); ``unaccounted`` if undeclared."""
@@ -135,13 +146,15 @@ class ReleaseList:
 
     def withheld_line(self) -> str:
         """What a DP run withholds, said from its set-up alone: the names it knows before training (the
-        round times, the metrics its plugins declared ``unaccounted``) and the rest generically.
+        round times, the metrics its plugins declared ``unaccounted``, the keys their code writes
+        without declaring them: :mod:`dpfl_lightning.plugins.metric_keys`) and the rest generically.
 
         Which keys a run met in training is not said: a key logged only under a data condition (a
         module's ``if (y == 9).any(): self.log("saw_nine", ...)``, a plugin's statistic logged when a
         client is small) would tell, by its name alone, something about one client's data that no
         mechanism accounts. :attr:`withheld` keeps them for the process itself; it is never written."""
-        known = ["round_time_s"] + sorted({r.key for r in self.declared if r.kind == "unaccounted"})
+        known = ["round_time_s"] + sorted({r.key for r in self.declared if r.kind == "unaccounted"}
+                                          | set(self.undeclared))
         return ("withheld from the logs (un-noised client statistics): " + ", ".join(known) + ", and whatever "
                 "else the module, its callbacks or plugins log from client data (which keys were logged is not "
                 "said either: it can depend on one client's data); log_client_metrics=True releases them, "

@@ -2,6 +2,10 @@
 ``from dpfl_lightning.plugins import UpdateClipping`` does not load Opacus (``DPSGD`` does, when a
 DP-SGD run sets up).
 
+The plugin API is exported here too: the base class and the hooks' contexts, what set-up hooks
+return (``Segment``, ``Mechanism``, ``MetricRelease``) and the ``ORDER_*`` constants a plugin sets its
+``order`` from (``order = ORDER_ADD_NOISE + 10``: after the noise, before the server step).
+
 May import: ``data``, ``module``, ``federated``, ``privacy``, the foundation (``errors``, ``rng``,
 ``lazy``); :mod:`~.contexts` is what every hook receives. Plugins never import an executor, the run
 or the trainer.
@@ -20,9 +24,19 @@ _LAZY = {
     "DiscreteDistributedNoise": "dpfl_lightning.plugins.discrete_distributed_noise",
     "FedEXP": "dpfl_lightning.plugins.fedexp",
     "FederatedCallback": "dpfl_lightning.plugins.callback",
+    "Mechanism": "dpfl_lightning.privacy.mechanisms",
+    "MetricRelease": "dpfl_lightning.federated.releases",
+    "ORDER_ADD_NOISE": "dpfl_lightning.plugins.callback",
+    "ORDER_BOUND_SENSITIVITY": "dpfl_lightning.plugins.callback",
+    "ORDER_DEFAULT": "dpfl_lightning.plugins.callback",
+    "ORDER_LEDGER": "dpfl_lightning.plugins.callback",
+    "ORDER_LOCAL_TRAINING": "dpfl_lightning.plugins.callback",
+    "ORDER_SERVER_OPTIMIZER": "dpfl_lightning.plugins.callback",
+    "ORDER_SERVER_STEP": "dpfl_lightning.plugins.callback",
     "GaussianNoise": "dpfl_lightning.plugins.gaussian_noise",
     "PrivUnitRandomizer": "dpfl_lightning.plugins.privunit_randomizer",
     "PrivacyLedger": "dpfl_lightning.plugins.privacy_ledger",
+    "ReleasedRow": "dpfl_lightning.plugins.contexts",
     "SCAFFOLD": "dpfl_lightning.plugins.scaffold",
     "ScaffNew": "dpfl_lightning.plugins.scaffnew",
     "Segment": "dpfl_lightning.federated.payload",

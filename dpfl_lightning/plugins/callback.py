@@ -41,20 +41,22 @@ if TYPE_CHECKING:
     from dpfl_lightning.privacy.mechanisms import Mechanism
     from dpfl_lightning.federated.releases import MetricRelease
 
-# Where a plugin runs relative to the others. Sensitivity must be bounded before noise is added,
-# and noise must be added before anything leaves the client or reaches the server optimizer.
+# Where a plugin runs relative to the others (exported by ``dpfl_lightning.plugins``). Sensitivity must
+# be bounded before noise is added, and noise must be added before anything leaves the client or
+# reaches the server optimizer.
 ORDER_LOCAL_TRAINING = 40  # plugins that change how clients train (DP-SGD, control variates)
-ORDER_BOUND_SENSITIVITY = 100
-ORDER_ADD_NOISE = 200
+ORDER_BOUND_SENSITIVITY = 100  # clipping, normalization
+ORDER_ADD_NOISE = 200  # Gaussian, correlated, discrete noise; local randomizers
+ORDER_DEFAULT = 500  # a plugin that sets no order: after the noise, before the server's steps
 ORDER_SERVER_STEP = 800  # global step sizes
 ORDER_SERVER_OPTIMIZER = 900
-ORDER_LEDGER = 950
+ORDER_LEDGER = 950  # the privacy ledger: accounts the round once everything else ran
 
 
 class FederatedCallback:
     """Base class of plugins. Every hook is a no-op; override the ones you need."""
 
-    order: int = 500
+    order: int = ORDER_DEFAULT
     #: True when the plugin keeps state in ``client.state`` across rounds: every client then trains
     #: on the rank that keeps its state (``client % ranks``) instead of a balanced placement.
     keeps_client_state: bool = False
@@ -84,7 +86,9 @@ class FederatedCallback:
         return []
 
     def released_metrics(self, *, ctx: SetupContext) -> list[MetricRelease]:
-        """The metrics this plugin adds in ``on_round_end``, and what kind of release each is."""
+        """The metrics this plugin adds in ``on_round_end``, and what kind of release each is (``source``:
+        the plugin's class name). A DP run withholds a metric that is not declared; its set-up reads
+        ``on_round_end``'s code and warns once, naming each such key (:mod:`~.metric_keys`)."""
         return []
 
     def value_bound(self, *, segment: str, bound: float | None) -> float | None:
@@ -126,9 +130,10 @@ class FederatedCallback:
         """What the client sent, after every plugin's ``on_client_end`` (every bound and noise, in any
         plugin order) and before it is added to the rank's sums: ``released`` holds exactly the row
         that is summed, by segment (with ``weighting="samples"`` the update times the ``weight``
-        segment; a skipped client's noised zero update). Read-only: the mapping refuses assignment
-        and its tensors are copies, as is ``client.payload`` during this hook, so writing to them
-        changes nothing that is summed. Build per-client state that must follow the release here
+        segment; a skipped client's noised zero update). Read-only: the mapping (also
+        ``client.payload`` during this hook) refuses assignment and deletion with
+        :class:`~dpfl_lightning.errors.ReleaseWriteError`, one line naming the plugin and the rule, and
+        its tensors are copies, so writing into them changes nothing that is summed. Build per-client state that must follow the release here
         (SCAFFOLD's ``c_i``, ScaffNew's ``D_i``). Privacy: a segment is only as private as the
         mechanisms that cover it before it leaves the client (``central`` noise: the clipped,
         un-noised value the trusted aggregator sees); keep what you derive in ``client.state`` or

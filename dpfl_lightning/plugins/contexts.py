@@ -7,11 +7,13 @@ the executor or the module's privates, so the trainer can change without breakin
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from dpfl_lightning.errors import ReleaseWriteError
 from dpfl_lightning.federated.payload import Aggregate
 from dpfl_lightning.federated.plan import RoundPlan
 from dpfl_lightning.rng import RandomSource
@@ -88,6 +90,42 @@ class SetupContext:
         limit = self.positions.get(id(before), len(self.positions))
         return next((owner for pos, segs, owner in self.moving_bounds if pos < limit and set(segs) & set(segments)),
                     None)
+
+
+class ReleasedRow(Mapping):
+    """What ``on_client_released`` receives (as ``released`` and as ``client.payload``): copies of the
+    row as it is summed, by segment, read-only. Assigning or deleting a segment raises
+    :class:`~dpfl_lightning.errors.ReleaseWriteError`, one line naming the plugin, the hook and the rule;
+    writing into a tensor in place changes a copy only (nothing that is summed)."""
+
+    def __init__(self, rows: Mapping[str, torch.Tensor]) -> None:
+        self._rows = dict(rows)
+        self.reader = "a plugin"  # the plugin whose on_client_released runs (named in the error)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._rows[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        raise ReleaseWriteError(self.reader, f"assigned released[{name!r}]")
+
+    def __delitem__(self, name: str) -> None:
+        raise ReleaseWriteError(self.reader, f"deleted released[{name!r}]")
+
+    def __getattr__(self, name: str) -> Any:  # a dict's writing methods, which this mapping does not have
+        if name in ("update", "pop", "popitem", "setdefault", "clear"):
+            def refuse(*args: Any, **kwargs: Any) -> None:
+                raise ReleaseWriteError(self.reader, f"called released.{name}()")
+            return refuse
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"ReleasedRow({', '.join(self._rows)})"
 
 
 @dataclass

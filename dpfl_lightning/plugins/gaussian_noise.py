@@ -214,11 +214,11 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
         return [self._mechanism(self.sigma / self.sensitivity)]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
-        out = [MetricRelease("noise_std", "public", "GaussianNoise", "the noise standard deviation in force")]
-        if self.placement != "local":
-            out.append(MetricRelease("snr", "noised", "GaussianNoise", "signal-to-noise ratio of the aggregate, "
-                                     "estimated from the noised sum"))
-        return out
+        # snr is logged under central and distributed noise only, and declared whatever the placement: what
+        # a plugin declares is read against what its code writes (dpfl_lightning.plugins.metric_keys)
+        return [MetricRelease("noise_std", "public", "GaussianNoise", "the noise standard deviation in force"),
+                MetricRelease("snr", "noised", "GaussianNoise", "signal-to-noise ratio of the aggregate, estimated "
+                              "from the noised sum (central and distributed placement)")]
 
     def value_bound(self, *, segment: str, bound: float | None) -> float | None:
         if self.placement == "central" or segment not in self.segments or bound is None:

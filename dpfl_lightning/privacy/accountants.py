@@ -11,6 +11,12 @@ already implement:
 - ``pld``: ``dp_accounting.pld.PLDAccountant`` (privacy loss distributions, pessimistic
   discretisation: a valid upper bound; tight up to the discretisation interval).
 - ``prv``: ``opacus.accountants.PRVAccountant`` (Gopi, Lee, Wutschitz 2021).
+- the exact Gaussian (:func:`gaussian_epsilon`; Balle & Wang, "Improving the Gaussian Mechanism for
+  Differential Privacy", ICML 2018, Thm 8) wherever what is accounted is one Gaussian mechanism: a
+  correlated-noise stream without amplification (its Gaussian, and those composed with it, are one
+  Gaussian of multiplier ``(sum z_i^-2)^(-1/2)``). Every accountant above is an upper bound on it
+  (RDP's conversion ~10% above for the ``ftrl_*`` configs), so it is used whichever was asked for,
+  and the result says so.
 
 Where a method does not support a release (PLD and PRV do not handle sampling without
 replacement; PRV only add/remove neighbours) the RDP bound, which is valid, is returned and the
@@ -56,6 +62,69 @@ def _effective_gaussian(events: tuple[dp_accounting.DpEvent, ...]) -> float | No
     return low / math.sqrt(sum((low / z) ** 2 for z in zs))
 
 
+# ------------------------------------------------------------------ the exact Gaussian
+EXACT = "exact Gaussian"
+EXACT_NOTE = ("one Gaussian mechanism: its exact epsilon (Balle & Wang 2018, Thm 8), which every accountant "
+              "bounds from above")
+
+
+def gaussian_log_delta(noise_multiplier: float, epsilon: float) -> float:
+    """``log delta(eps)`` of the Gaussian mechanism of multiplier ``z`` (std over sensitivity): the
+    least ``delta`` for which it is ``(eps, delta)``-DP, ``Phi(1/(2z) - eps z) - e^eps Phi(-1/(2z) - eps z)``
+    (Balle & Wang 2018, Thm 8), in logs (``log Phi`` from ``scipy.special.log_ndtr``) so that small
+    deltas keep their digits."""
+    from scipy import special
+
+    z, eps = float(noise_multiplier), float(epsilon)
+    a = float(special.log_ndtr(0.5 / z - eps * z))
+    b = eps + float(special.log_ndtr(-0.5 / z - eps * z))
+    return a + math.log(-math.expm1(b - a)) if b < a else -math.inf
+
+
+def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
+    """The least ``eps >= 0`` with :func:`gaussian_log_delta` ``<= log(delta)``: the exact epsilon of
+    the Gaussian mechanism of multiplier ``noise_multiplier`` at ``delta`` (never below it: the root's
+    bracket end on the safe side is returned)."""
+    from scipy import optimize
+
+    _check(delta)
+    z = float(noise_multiplier)
+    if z <= 0:
+        return math.inf
+    if math.isinf(z):
+        return 0.0
+    target = math.log(delta)
+    g = lambda eps: gaussian_log_delta(z, eps) - target  # noqa: E731 - decreasing in eps
+    if g(0.0) <= 0:
+        return 0.0
+    hi = 1.0
+    while g(hi) > 0:
+        hi *= 2.0
+    eps = float(optimize.brentq(g, hi / 2 if hi > 1 else 0.0, hi, xtol=1e-13, rtol=4 * np.finfo(float).eps))
+    while g(eps) > 0:  # brentq's root may sit a rounding below the true one
+        eps = float(np.nextafter(eps, math.inf))
+    return eps
+
+
+def one_gaussian(events) -> float | None:
+    """The multiplier of the one Gaussian that ``(event, relation)`` pairs are, when every event is an
+    unsampled Gaussian (or one self-composed) under add/remove neighbours: ``(sum_i n_i z_i^-2)^(-1/2)``
+    (their privacy losses add); ``None`` otherwise (sampling, a tree event, another mechanism)."""
+    inverse_sq = 0.0
+    for event, relation in events:
+        count = 1
+        if isinstance(event, dp_accounting.SelfComposedDpEvent):
+            event, count = event.event, int(event.count)
+        if relation != NeighboringRelation.ADD_OR_REMOVE_ONE or not isinstance(event, dp_accounting.GaussianDpEvent):
+            return None
+        if count == 0:
+            continue
+        if event.noise_multiplier == 0:
+            return 0.0
+        inverse_sq += count / float(event.noise_multiplier) ** 2
+    return math.inf if inverse_sq == 0 else inverse_sq ** -0.5
+
+
 @dataclass(frozen=True)
 class Release:
     """What one use of a set of mechanisms on the same sample releases about one unit (a client or a
@@ -82,6 +151,9 @@ class Release:
     #: a correlated-noise stream (:class:`~dpfl_lightning.privacy.mechanisms.Stream`): ``events`` are then
     #: the other mechanisms of each participation, and :func:`epsilon` composes the stream's own event
     stream: Any = None
+    #: the events are a correlated-noise run's, one Gaussian mechanism (``dpfl sweep`` composes whole runs):
+    #: its compositions are accounted with the exact Gaussian, as the run's own ledger does
+    exact: bool = False
 
     def __post_init__(self) -> None:
         require(self.sampling in SAMPLINGS, "privacy.sampling", self.sampling, "unknown sampling", f"use one of {SAMPLINGS}")
@@ -333,8 +405,14 @@ def create_accountant(name: str, setting: str = "privacy.accountant") -> Account
 
 
 def accountant_used(release: Release, accountant: str) -> tuple[str, str | None]:
-    """The accountant that gives ``release``'s epsilon when ``accountant`` is asked for: itself, or
-    ``rdp`` with the reason where it cannot account the release (:meth:`Accountant.unsupported`)."""
+    """The accountant that gives ``release``'s epsilon when ``accountant`` is asked for: itself, the
+    exact Gaussian where the release is one Gaussian mechanism (with the reason), or ``rdp`` with the
+    reason where it cannot account the release (:meth:`Accountant.unsupported`)."""
+    if release.stream is not None and one_gaussian(
+            stream_events(release, release.stream.start + release.stream.rounds)) is not None:
+        return EXACT, EXACT_NOTE
+    if release.exact and release.gaussian and release.effective_rate == 1 and release.relation == "add_remove":
+        return EXACT, EXACT_NOTE
     reason = create_accountant(accountant).unsupported(release)
     return ("rdp", reason) if reason is not None else (accountant, None)
 
@@ -354,6 +432,9 @@ def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
                                             f"{acc.name} does not account integer noise: RDP upper bound"))
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:
         return Epsilon(math.inf, acc.name, "no noise")
+    if release.exact and release.gaussian and release.effective_rate == 1 and release.relation == "add_remove":
+        z = release.noise_multiplier / math.sqrt(steps) if steps else math.inf
+        return Epsilon(gaussian_epsilon(z, delta), EXACT, EXACT_NOTE)
     note = _unamplified(release)[1]
     pure = release.pure_epsilon
     if pure is not None:  # basic composition of pure DP is valid too, and tighter for few steps
@@ -408,13 +489,17 @@ def _segment_events(s: Any, others: float | None,
 
 def stream_epsilon(release: Release, rounds: int, delta: float, accountant: str = "rdp",
                    pld_discretization: float = PLD_DISCRETIZATION) -> Epsilon:
-    """Epsilon after ``rounds`` rounds of a correlated-noise release (:func:`stream_events`): RDP
-    curves summed over the events (``dp_accounting.rdp``), or ``dp_accounting.pld`` where every event
-    is Gaussian or Poisson-sampled Gaussian; a tree's event and the ``prv`` accountant are given
-    RDP's bound, with the reason."""
+    """Epsilon after ``rounds`` rounds of a correlated-noise release (:func:`stream_events`): the
+    exact Gaussian where the events are one Gaussian mechanism (:func:`one_gaussian`: no amplification,
+    no tree event), whichever accountant was asked for; otherwise RDP curves summed over the events
+    (``dp_accounting.rdp``), or ``dp_accounting.pld`` where every event is Gaussian or Poisson-sampled
+    Gaussian; a tree's event and the ``prv`` accountant are given RDP's bound, with the reason."""
     events = stream_events(release, rounds)
     if not events:
         return Epsilon(0.0, accountant)
+    z = one_gaussian(events)
+    if z is not None:  # no amplification, no tree event: the exact Gaussian
+        return Epsilon(gaussian_epsilon(z, delta), EXACT, EXACT_NOTE)
     tree = any(rel == NeighboringRelation.REPLACE_SPECIAL for _, rel in events)
     if accountant == "pld" and not tree:
         acc = dp_pld.PLDAccountant(value_discretization_interval=pld_discretization)

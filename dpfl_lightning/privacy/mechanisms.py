@@ -82,11 +82,20 @@ class Stream:
     start: int = 0
     before: tuple = ()
     replaces: Any = None
+    #: ``participations`` and ``tree``: the sensitivity of the whole stream's ``C`` that the run's
+    #: multiplier ``z`` is scaled by in these events (``noise_multiplier = z sens``: one participation
+    #: moves a column of norm <= 1, the noise is ``z sens C``); 1 for ``gaussian``, whose event is ``z``
+    sensitivity: float = 1.0
 
     def __post_init__(self) -> None:
         require(self.kind in STREAM_KINDS, "Stream.kind", self.kind, "unknown stream accounting", f"use {STREAM_KINDS}")
         require(self.kind == "participations" or self.rate >= 1, "Stream.rate", self.rate,
                 "amplification by sampling is accounted for per-participation streams only", "use rate=1")
+
+    @property
+    def z(self) -> float:
+        """The run's noise multiplier ``z`` (noise ``z sens C``), what every privacy line prints."""
+        return self.noise_multiplier / self.sensitivity
 
     def segments(self, r: int) -> list[tuple[Stream, int]]:
         """Each segment with its rounds among the run's first ``r`` (the earlier ones, then this one)."""
@@ -103,7 +112,10 @@ class Stream:
             f", Poisson sampling q={self.rate:g} inside the group" if self.rate < 1 else ", no amplification")
         per = {"gaussian": "one Gaussian over the stream", "participations": "a Gaussian per participation",
                "tree": "a single-epoch tree aggregation event"}[self.kind]
-        noise = f"correlated noise ({self.strategy}, {per}), noise multiplier {self.noise_multiplier:.4g}"
+        noise = f"correlated noise ({self.strategy}, {per}), noise multiplier {self.z:.4g}"
+        if self.sensitivity != 1.0:
+            noise += f" (x sensitivity {self.sensitivity:.4g} = {self.noise_multiplier:.4g} per " + \
+                ("participation)" if self.kind == "participations" else "tree node)")
         if self.before:
             noise += f"; restarted at round {self.start + 1} on a secure resume, {len(self.before) + 1} segments " \
                 "composed"
@@ -198,7 +210,7 @@ class Mechanism:
         noise is scaled by the bound in force): its events are the stream's (:class:`Stream`)."""
         event = dp_accounting.GaussianDpEvent(stream.noise_multiplier)
         return cls(source, "client", "central", event, dp_accounting.GaussianDpEvent(stream.noise_multiplier / 2), 1.0,
-                   tuple(covers), description, noise_multiplier=stream.noise_multiplier, stream=stream)
+                   tuple(covers), description, noise_multiplier=stream.z, stream=stream)
 
     @classmethod
     def laplace(cls, source: str, scale: float, l1_sensitivity: float, placement: str, covers: tuple[str, ...],

@@ -23,6 +23,13 @@ Frobenius norm is ``sum_t (T - t) b_t^2``.
   :mod:`dpfl_lightning.privacy.mf_sensitivity`, checked again on the result). Optimised for the
   participation pattern. Its noise is generated from ``buffers`` running sums.
 
+- :func:`tree_height`: the restart period of online tree aggregation (:func:`~dpfl_lightning.privacy.
+  matrix_factorization.tree`, a tree every ``2**height`` rounds) with the least error for the
+  workload under the participation pattern, over every height from 0 (a leaf per round: independent
+  noise) to one tree: under multiple participations one tree's sensitivity grows with the
+  participations inside it (Choquette-Choo et al., ICML 2023, "Multi-Epoch Matrix Factorization"),
+  and restarts trade that against the noise of the restarted prefixes.
+
 Results are cached on disk (``cache_dir``) as JSON keyed by the workload, ``T`` and the parameters,
 written atomically (temporary file + ``os.replace``); in a multi-rank run rank 0 computes and the
 others read after a barrier (the caller's wiring).
@@ -39,9 +46,9 @@ import time
 import torch
 
 from dpfl_lightning.privacy.matrix_factorization import (F64, Strategy, Workload, convolve, toeplitz,
-                                                         toeplitz_inverse_coeffs)
+                                                         toeplitz_inverse_coeffs, total_squared_error, tree)
 
-__all__ = ["banded", "blt", "blt_coeffs", "toeplitz_error"]
+__all__ = ["banded", "blt", "blt_coeffs", "toeplitz_error", "tree_height", "tree_errors"]
 
 _CACHE_VERSION = 1
 
@@ -145,6 +152,31 @@ def _lbfgs(x: torch.Tensor, loss, max_iter: int) -> None:
     opt.step(closure)
     if not torch.isfinite(x).all():
         raise FloatingPointError("the factorization's optimisation diverged; report T and the parameters")
+
+
+def tree_errors(workload: Workload, min_sep: int, max_participations: int, *,
+                cache_dir: str | None = None) -> list[float]:
+    """``sens^2 ||A L||_F^2`` (:func:`~dpfl_lightning.privacy.matrix_factorization.total_squared_error`)
+    of the tree restarted every ``2**h`` rounds, for ``h = 0 .. ceil(log2 T)`` (the last: one tree),
+    under participations ``min_sep`` apart, at most ``max_participations``; computed from each
+    strategy's ``C`` (its exact sensitivity) and ``L``, and cached."""
+    T = workload.T
+    top = max(0, math.ceil(math.log2(T)))
+    sep = min(int(min_sep), T)
+    k = min(int(max_participations), -(-T // sep))
+    key = f"tree-v{_CACHE_VERSION}-{workload.name}-T{T}-sep{sep}-k{k}"
+    found, _ = _cached(cache_dir, key, lambda: {"errors": [total_squared_error(tree(T, h), workload, sep, k)
+                                                           for h in range(top + 1)]})
+    return [float(e) for e in found["errors"]]
+
+
+def tree_height(workload: Workload, min_sep: int, max_participations: int, *, cache_dir: str | None = None) -> int:
+    """The restart height with the least :func:`tree_errors` (the lowest on a tie): never worse than
+    independent noise (``h = 0``) nor than one tree (the largest ``h``). T = 64 rounds, 16
+    participations 4 apart, prefix sums: height 3, root-mean-square prefix-sum error 15.63 per unit
+    ``z``, against 31.72 for one tree and 22.80 for independent noise."""
+    errors = tree_errors(workload, min_sep, max_participations, cache_dir=cache_dir)
+    return min(range(len(errors)), key=lambda h: (errors[h], h))
 
 
 def _toeplitz_strategy(kind: str, c: torch.Tensor, params: dict) -> Strategy:

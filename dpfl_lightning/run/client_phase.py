@@ -8,14 +8,13 @@ client sent); the row is folded into the rank's sum."""
 from __future__ import annotations
 
 import math
-from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
 
 from dpfl_lightning import rng
 from dpfl_lightning.federated.aggregation import PayloadAggregator
-from dpfl_lightning.plugins.contexts import ClientContext
+from dpfl_lightning.plugins.contexts import ClientContext, ReleasedRow
 from dpfl_lightning.errors import NonFiniteUpdateError
 from dpfl_lightning.executor import RoundWork, TrainedClient
 from dpfl_lightning.federated.plan import RoundPlan
@@ -113,15 +112,17 @@ class ClientPhase:
         return ok
 
     def _release(self, ctx: ClientContext) -> None:
-        """The plugins' ``on_client_released``: the row as it is summed, read-only (a mapping that
-        refuses assignment, of copies; ``ctx.payload`` is that mapping from here on), so nothing a
-        plugin writes there reaches the sums. No copy when no plugin reads the release."""
+        """The plugins' ``on_client_released``: the row as it is summed, read-only (a
+        :class:`ReleasedRow` of copies, which refuses assignment in one line naming the plugin;
+        ``ctx.payload`` is that mapping from here on), so nothing a plugin writes there reaches the
+        sums. No copy when no plugin reads the release."""
         plugins = self.hooks["on_client_released"]
         if not plugins:
             return
-        released = MappingProxyType({name: view.clone() for name, view in ctx.payload.items()})
+        released = ReleasedRow({name: view.clone() for name, view in ctx.payload.items()})
         ctx.payload = released
         for p in plugins:
+            released.reader = type(p).__name__
             p.on_client_released(client=ctx, released=released)
 
     def _count_skipped(self, ctx: ClientContext) -> None:

@@ -27,6 +27,7 @@ from dpfl_lightning.federated import frozen
 from dpfl_lightning.federated.placement import available_cpus
 from dpfl_lightning.run.checkpoint_format import check_state_keys
 from dpfl_lightning.plugins.contexts import ServerContext, SetupContext
+from dpfl_lightning.plugins.metric_keys import undeclared_metrics, undeclared_warning
 from dpfl_lightning.errors import require
 from dpfl_lightning.tracking.loggers import noise_multiplier_notes, print_privacy_lines
 from dpfl_lightning.federated.payload import UPDATE, PayloadLayout, Segment, check_coverage
@@ -366,6 +367,12 @@ def build_run(settings: TrainerSettings, comm: Communicator, module: Any, data: 
         _check_private_run(settings, ctx, layout, opt_in)
         if comm.rank == 0:
             warn_local_noise_without_local_guarantee(ctx.mechanisms)
+    if private and not opt_in:  # what the plugins' code logs undeclared: withheld, so named once here
+        missing, unread = undeclared_metrics(plugins, releases)
+        releases.undeclared = sorted({k for keys in missing.values() for k in keys})
+        message = undeclared_warning(missing, unread)
+        if message and comm.rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
     if comm.rank == 0:
         data.warn_nonfinite(private)
     notes = _notes(settings, data, layout, opt_in) if private else []

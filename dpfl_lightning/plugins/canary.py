@@ -354,6 +354,16 @@ class CanaryMessages(FederatedCallback):
       central and distributed multipliers, ``z = sqrt(sum z_k^2)``), and each canary slot's noised
       message (local multipliers; sent in the ``released`` segment ``canary_noise``). Functions of
       the released values only; canary slots hold no data.
+    - Correlated noise (:class:`~dpfl_lightning.plugins.correlated_noise.CorrelatedNoise`): the sum
+      whitened with the declared strategy and std, ``(R^{-1} y)_t`` with ``R R^T = L D^2 L^T`` and
+      ``D`` the rows' declared ``z sens C_t`` (:class:`~dpfl_lightning.privacy.noise_whitening.
+      Whitener`: ``D^{-1} C y`` for a square ``C``), i.i.d. ``N(0, 1)`` under the declaration, on at
+      most ``2^23 / T`` evenly spaced coordinates. A resumed run checks the rounds of segments it
+      saw from their start only.
+    - Discrete noise (:class:`~dpfl_lightning.plugins.discrete_distributed_noise.DiscreteDistributedNoise`):
+      the decoded sum over the declared variance of its summed integer shares (survivors x one
+      share's variance x ``gamma^2``; :meth:`~dpfl_lightning.plugins.discrete_distributed_noise.
+      DiscreteDistributedNoise.summed_noise_variance`).
 
     Made by :meth:`CanaryClients.message_reader`."""
 
@@ -364,6 +374,17 @@ class CanaryMessages(FederatedCallback):
         self._active = self._local = False
         self._z_local = self._z_sum = 0.0
         self._bound = 1.0
+        self._correlated = self._discrete = None  # the noise plugins whose declared noise the sum check reads
+        self._whitener = self._coords = None
+
+    def check_pairings(self, *, plugins: list, ctx) -> None:
+        """Not a refusal: finds the correlated and the discrete noise plugins on the update, whose
+        declared noise is not one Gaussian of std ``z C_t`` a round (class docstring)."""
+        from dpfl_lightning.plugins.correlated_noise import CorrelatedNoise
+        from dpfl_lightning.plugins.discrete_distributed_noise import DiscreteDistributedNoise
+
+        self._correlated = next((p for p in plugins if isinstance(p, CorrelatedNoise)), None)
+        self._discrete = next((p for p in plugins if isinstance(p, DiscreteDistributedNoise)), None)
 
     def payload_segments(self, *, ctx) -> list[Segment]:
         placements = {m.placement for m in ctx.mechanisms if m.granularity == "client"}
@@ -376,7 +397,12 @@ class CanaryMessages(FederatedCallback):
         gaussian = [m for m in ctx.mechanisms if m.granularity == "client" and UPDATE in m.covers and m.is_gaussian
                     and m.noise_multiplier]
         self._z_local = math.sqrt(sum(m.noise_multiplier ** 2 for m in gaussian if m.placement == "local"))
-        self._z_sum = math.sqrt(sum(m.noise_multiplier ** 2 for m in gaussian if m.placement != "local"))
+        self._z_sum = math.sqrt(sum(m.noise_multiplier ** 2 for m in gaussian
+                                    if m.placement != "local" and m.stream is None))
+        if self._correlated is not None and self._z_sum > 0:
+            self._correlated = None  # two noises in one sum: neither is whitened alone, the sum is not checked
+            self._z_sum = 0.0
+        self._whitener = None
 
     def before_round(self, *, plan, server) -> None:
         self._bound = self.canaries.bound()  # the bound the round's noise is scaled to
@@ -396,10 +422,44 @@ class CanaryMessages(FederatedCallback):
             client.payload[MESSAGE][canary] = torch.dot(direction, update) / self.canaries.bound()
 
     def on_aggregate(self, *, server) -> None:
+        if self._correlated is not None:
+            self._whitened_sum(server)
+            return
+        if self._discrete is not None:
+            self._discrete_sum(server)
+            return
         agg = server.aggregate
         if self._z_sum <= 0 or agg is None or UPDATE not in agg or agg.num_clients == 0:
             return  # (no client: no distributed share was added; skipping a round only weakens the test)
         sigma = self._z_sum * self._bound
         stats = block_squares(_noised_entries(server.aggregate[UPDATE], server.plan.trainable))
         stats[0] /= sigma * sigma
+        self.canaries.noise["sum"] += stats
+
+    def _whitened_sum(self, server) -> None:
+        """The correlated noise's check: this round's sum whitened (class docstring)."""
+        from dpfl_lightning.privacy.noise_whitening import Whitener, coordinate_subset
+
+        noise, agg, t = self._correlated, server.aggregate, server.round_idx - self._correlated.start
+        if t == 0:  # a segment starts (the run, or a secure resume's restart): a new history
+            self._whitener = Whitener(noise.strategy.inverse, noise.strategy.rows_per_round)
+        w = self._whitener
+        if w is None or w.round != t or agg is None or UPDATE not in agg:
+            self._whitener = None  # a round not seen (a resume, a missing sum): the segment's history is gone
+            return
+        y = _noised_entries(agg[UPDATE], server.plan.trainable).reshape(-1)
+        if t == 0:
+            self._coords = coordinate_subset(y.numel(), max(NOISE_BLOCKS * 1024, (1 << 23) // noise.T))
+        if self._coords is not None:
+            y = y[self._coords.to(y.device)]
+        scale = float(noise.noise_multiplier) * noise.sensitivity * self._bound  # declared: z sens C_t
+        self.canaries.noise["sum"] += block_squares(w.next(y, scale))
+
+    def _discrete_sum(self, server) -> None:
+        """The discrete noise's check: the decoded sum over its declared summed-share variance."""
+        agg, variance = server.aggregate, self._discrete.summed_noise_variance()
+        if variance is None or agg is None or UPDATE not in agg:
+            return  # a skipped round: no share was added
+        stats = block_squares(_noised_entries(agg[UPDATE], server.plan.trainable))
+        stats[0] /= variance
         self.canaries.noise["sum"] += stats

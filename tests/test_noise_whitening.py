@@ -17,9 +17,10 @@ SCALES = [1.0 + 0.5 * (t % 3) for t in range(T)]  # a bound that moves between r
 
 
 def _released(kind, tmp_path, factor=1.0, signal=0.0):
+    kind, height = (kind, None) if ":" not in kind else ("tree", int(kind.split(":")[1]))  # tree:h restarts
     """Each round's noise as the mechanism's generator draws it at ``factor`` x the declared scales,
     plus a signal that depends on the noise of earlier rounds (as training does); and the draws."""
-    strategy = build_strategy(kind, mf.prefix_sum(T), 3, cache_dir=str(tmp_path))
+    strategy = build_strategy(kind, mf.prefix_sum(T), 3, tree_height=height, cache_dir=str(tmp_path))
     g = torch.Generator().manual_seed(1)
     draws = {}
 
@@ -37,7 +38,7 @@ def _released(kind, tmp_path, factor=1.0, signal=0.0):
     return strategy, out, draws
 
 
-@pytest.mark.parametrize("kind", ["independent", "banded", "blt", "tree"])
+@pytest.mark.parametrize("kind", ["independent", "banded", "blt", "tree", "tree:2"])
 def test_whitening_with_the_declared_strategy_gives_unit_iid_noise(tmp_path, kind):
     strategy, released, draws = _released(kind, tmp_path)
     w = Whitener(strategy.inverse, strategy.rows_per_round)

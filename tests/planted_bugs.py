@@ -7,13 +7,15 @@ mechanism (the ledger accounts exactly what the honest plugin would) and do less
 - :class:`SizeWeightedClip`: a clip at ``C`` and uniform weights declared, the clipped update then
   weighted by ``n_i / mean n`` (size-weighted averaging the ledger does not account);
 - :class:`QuarterLocalNoise`: local noise of multiplier ``z`` declared, ``z / 4`` added;
-- :class:`HalfCoordinateNoise`: central noise declared on the whole update, added to its first half only.
+- :class:`HalfCoordinateNoise`: central noise declared on the whole update, added to its first half only;
+- :class:`HalfCorrelatedNoise`: correlated noise (DP-FTRL) declared, each round's fresh rows drawn at half scale;
+- :class:`HalfDiscreteNoise`: distributed discrete noise declared, each integer share at half its std.
 """
 
 from dpfl_lightning import rng
 from dpfl_lightning.federated import frozen
 from dpfl_lightning.federated.payload import UPDATE
-from dpfl_lightning.plugins import GaussianNoise, UpdateClipping
+from dpfl_lightning.plugins import CorrelatedNoise, DiscreteDistributedNoise, GaussianNoise, UpdateClipping
 from dpfl_lightning.plugins.sensitivity import scale_to_norm_
 
 
@@ -81,3 +83,23 @@ class HalfCoordinateNoise(GaussianNoise):
         update = server.aggregate[UPDATE]
         half = update.numel() // 2
         stream.add_normal_(update[:half], self.sigma)
+
+
+class HalfCorrelatedNoise(CorrelatedNoise):
+    """Declares ``CorrelatedNoise`` (the ledger accounts ``z`` and the strategy's sensitivity) and
+    scales each round's fresh rows of ``Z`` by half of ``z sens C_t``."""
+
+    def before_round(self, *, plan, server) -> None:
+        super().before_round(plan=plan, server=server)
+        self._round_scale /= 2
+
+
+class HalfDiscreteNoise(DiscreteDistributedNoise):
+    """Declares ``DiscreteDistributedNoise`` (accounted shares of variance ``sigma^2 / m``) and draws
+    each share with a quarter of that variance (half the std; Skellam: a quarter of ``lam``)."""
+
+    def settings(self):
+        import dataclasses
+
+        honest = super().settings()
+        return dataclasses.replace(honest, noise_parameter=honest.noise_parameter / 4)

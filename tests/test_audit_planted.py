@@ -291,3 +291,43 @@ def test_a_skipped_clip_is_violated_or_suspect_and_the_honest_run_consistent_ove
     code, _ = _audit(_config(tmp_path / "honest", noise=noise, seed=seed), "--canaries", "250")
     out = capsys.readouterr().out
     assert code == 0 and "SUSPECT" not in out and "REFUTED" not in out
+# --------------------------------------------------------------------------- correlated and discrete noise
+SHIPPED_NOISE = ["ftrl_banded", "ftrl_amplified_banded", "ftrl_blt", "ftrl_independent", "ftrl_tree", "ddp_quickstart",
+                 "ddp_skellam_quickstart"]
+PLANTED = {"dpfl_lightning.plugins.CorrelatedNoise": "planted_bugs.HalfCorrelatedNoise",
+           "dpfl_lightning.plugins.DiscreteDistributedNoise": "planted_bugs.HalfDiscreteNoise"}
+
+
+def _shipped(tmp_path, name, planted=False) -> str:
+    from pathlib import Path
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml").read_text())
+    t = cfg["trainer"]
+    t.update(rounds=6, log_dir=str(tmp_path / "runs"), enable_progress_bar=False, enable_summary=False,
+             num_threads=1, eval_every=6)
+    if planted:
+        for p in t["plugins"]:
+            p["class_path"] = PLANTED.get(p["class_path"], p["class_path"])
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _noise_bound(out: str) -> float:
+    return float(re.search(r"noise in the released sum .*?std <= ([0-9.]+) x declared", out).group(1))
+
+
+@pytest.mark.parametrize("name", ["ftrl_banded", "ddp_quickstart"])
+def test_correlated_and_discrete_noise_at_half_the_declared_std_is_a_violation(tmp_path, capsys, name):
+    code, _ = _audit(_shipped(tmp_path, name, planted=True))
+    out = capsys.readouterr().out
+    assert code == 3 and "VIOLATED: the released values hold less noise" in out
+    assert "REFUTED (less noise than declared)" in out and 0.45 < _noise_bound(out) < 0.6
+
+
+@pytest.mark.parametrize("name", SHIPPED_NOISE)
+def test_the_shipped_correlated_and_discrete_configs_pass_the_noise_check(tmp_path, capsys, name):
+    code, _ = _audit(_shipped(tmp_path, name))
+    out = capsys.readouterr().out
+    assert code in (0, 5) and "REFUTED" not in out and "the declared noise is there" in out
+    assert 1.0 <= _noise_bound(out) < 1.1  # the whitened (or integer) noise reads as declared: upper bound near 1

@@ -468,6 +468,18 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
             target[trainable] = total.to(target.dtype)
         agg.denominator *= 1.0 - self.dropout
 
+    def summed_noise_variance(self) -> float | None:
+        """The declared variance of one coordinate of the noise in this round's decoded sum (after
+        :meth:`on_aggregate`), from public values only: the survivors' count (the server runs SecAgg
+        with them) times one share's variance in grid units (the discrete Gaussian's exact variance,
+        or Skellam's ``2 lam``) times ``gamma^2``; the rotation is orthogonal. None for a skipped round."""
+        from dpfl_lightning.privacy.noise_whitening import share_variance
+
+        if self._skip or self._round is None:
+            return None
+        shares = len(self._round.survivors)
+        return shares * share_variance(self.mechanism, self.noise_parameter) * self.gamma ** 2
+
     def on_round_end(self, *, server, metrics: dict[str, float]) -> None:
         metrics["noise_std"] = self._accounted_std * math.sqrt(self.min_survivors)
         metrics["wraparound_bound"] = self.wraparound_round

@@ -263,3 +263,15 @@ def test_a_metric_written_under_a_computed_key_is_said_without_a_name(log_dir):
     _, said = _undeclared_warnings(log_dir, [UpdateClipping(1.0), GaussianNoise(noise_multiplier=1.0), Computed()])
     assert len(said) == 1 and "keys written by Computed.on_round_end (" in said[0]
     assert "a key the code computes" in said[0] and "'x0'" not in said[0]
+
+
+class LoudNoise(GaussianNoise):
+    """A user's subclass of a built-in plugin that changes nothing it logs."""
+
+
+def test_a_subclass_keeps_the_metrics_its_base_declares(log_dir):
+    """released_metrics inherited from GaussianNoise declares noise_std and snr with the base's name as
+    source: the subclass's run logs them and says nothing (they were withheld, with a warning)."""
+    trainer, said = _undeclared_warnings(log_dir, [UpdateClipping(1.0), LoudNoise(noise_multiplier=1.0)])
+    assert said == []
+    assert "noise_std" in trainer.history[0] and "noise_std" not in trainer.run.releases.withheld

@@ -32,6 +32,13 @@ KINDS = ("public", "noised", "evaluation", "unaccounted")
 RELEASABLE = ("public", "noised", "evaluation")
 
 
+
+def sources_of(plugin: object) -> tuple[str, ...]:
+    """The ``source`` names under which ``plugin``'s metrics are declared: its class's and its base
+    classes' names, so that a subclass inheriting ``released_metrics`` (its base's declarations, with
+    the base's name as source) keeps them."""
+    return tuple(c.__name__ for c in type(plugin).__mro__)
+
 @dataclass(frozen=True)
 class MetricRelease:
     """A metric a run may log: ``key`` exactly, or every key starting with ``key[:-1]`` when ``key``
@@ -84,18 +91,22 @@ class ReleaseList:
     def declare(self, *releases: MetricRelease) -> None:
         self.declared.extend(releases)
 
-    def declares(self, key: str, source: str) -> bool:
-        """Whether ``source`` declared ``key``: a key, or a family ``prefix*`` covered by a declared family."""
-        for r in (r for r in self.declared if r.source == source):
+    def declares(self, key: str, source: str | tuple[str, ...]) -> bool:
+        """Whether ``source`` declared ``key``: a key, or a family ``prefix*`` covered by a declared family.
+        ``source``: a class name, or the names of a plugin's classes (:func:`sources_of`)."""
+        names = (source,) if isinstance(source, str) else tuple(source)
+        for r in (r for r in self.declared if r.source in names):
             family = key.endswith("*")
             if (not family and r.matches(key)) or (family and r.key.endswith("*") and key.startswith(r.key[:-1])):
                 return True
         return False
 
-    def kind(self, key: str, source: str | None = None) -> str:
-        """The kind of ``key`` as declared (by ``source``, when given); ``unaccounted`` if undeclared."""
+    def kind(self, key: str, source: str | tuple[str, ...] | None = None) -> str:
+        """The kind of ``key`` as declared (by ``source``, when given: a class name or the names of a
+        plugin's classes, :func:`sources_of`); ``unaccounted`` if undeclared."""
+        names = None if source is None else (source,) if isinstance(source, str) else tuple(source)
         for r in self.declared:
-            if (source is None or r.source == source) and r.matches(key):
+            if (names is None or r.source in names) and r.matches(key):
                 return r.kind
         return "unaccounted"
 

@@ -33,7 +33,7 @@ and zero in every run that does what its ledger states.
 from __future__ import annotations
 
 from dpfl_lightning.plugins.callback import ORDER_ADD_NOISE, FederatedCallback
-from dpfl_lightning.plugins.sensitivity import _norm
+from dpfl_lightning.plugins.sensitivity import joint_norm
 
 TOLERANCE = 1e-6  # relative: float rounding of a norm computed again, never a clip at (1 + 1e-6) C
 
@@ -60,7 +60,7 @@ class ContributionCheck(FederatedCallback):
         self._released = placements <= {"central"}  # the released row is un-noised
 
     def _above(self, payload) -> bool:
-        return any(_norm([payload[s] for s in segs]) > get() * self._weight * (1.0 + TOLERANCE)
+        return any(joint_norm([payload[s] for s in segs]) > get() * self._weight * (1.0 + TOLERANCE)
                    for segs, get in self._groups if all(s in payload for s in segs))
 
     def on_client_end(self, *, client) -> None:

@@ -18,7 +18,7 @@ import inspect
 import textwrap
 from dataclasses import dataclass, field
 
-from dpfl_lightning.federated.releases import ReleaseList
+from dpfl_lightning.federated.releases import ReleaseList, sources_of
 from dpfl_lightning.plugins.callback import FederatedCallback
 
 _WRITERS = ("update", "setdefault", "__setitem__")
@@ -139,12 +139,12 @@ def undeclared_metrics(plugins: list, releases: ReleaseList) -> tuple[dict[str, 
             continue
         name = type(p).__name__
         found = written_keys(p)
-        keys = [k for k in found.keys if not releases.declares(k, name)]
+        keys = [k for k in found.keys if not releases.declares(k, sources_of(p))]
         if keys:
             missing[name] = keys
         if not found.readable:
             unread.append(f"{name}.on_round_end (its source cannot be read)")
-        elif found.opaque and not any(r.source == name and r.key.endswith("*") for r in releases.declared):
+        elif found.opaque and not any(r.source in sources_of(p) and r.key.endswith("*") for r in releases.declared):
             lines = ", ".join(f"line {line}" for _, line in found.opaque)
             unread.append(f"{name}.on_round_end ({found.opaque[0][0]}, {lines}: a key the code computes, or metrics "
                           "handed to another function)")
@@ -167,4 +167,4 @@ def undeclared_warning(missing: dict[str, list[str]], unread: list[str]) -> str 
     return ("dpfl: " + "; ".join(parts) + f". Fix: return MetricRelease({key!r}, kind, {example!r}) from "
             f"{example}.released_metrics (from dpfl_lightning.plugins import MetricRelease; kind 'public' for a "
             "function of the settings, 'noised' for one of noised releases, 'unaccounted' to keep it withheld "
-            "without this warning; the source must be the plugin's class name)")
+            "without this warning; the source must be the plugin's class name or a base class's)")

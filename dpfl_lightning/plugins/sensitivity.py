@@ -37,7 +37,7 @@ def required_update_bound(ctx, plugin: FederatedCallback, setting: str, value: o
     return bound
 
 
-def _norm(parts: list[torch.Tensor]) -> float:
+def joint_norm(parts: list[torch.Tensor]) -> float:
     """The joint L2 norm, accumulated in float64."""
     total = 0.0
     for p in parts:
@@ -69,19 +69,19 @@ def scale_to_norm_(parts: torch.Tensor | list[torch.Tensor], target: float, only
     float64, where ``C / ||u||`` does not overflow.
     """
     parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
-    norm = _norm(parts)
+    norm = joint_norm(parts)
     if not math.isfinite(norm) or norm == 0.0 or (only_if_above and norm <= target):
         return norm
     _scale(parts, target / norm * _MARGIN)
     if target > 1e-30 and all(p.dtype in (torch.float32, torch.float64) for p in parts):
         return norm
     for _ in range(4):
-        now = _norm(parts)
+        now = joint_norm(parts)
         if now <= target:
             return norm
         _scale(parts, target / now * _SHRINK)
     for _ in range(64):  # each pass lowers every non-zero magnitude by one ulp
-        if _norm(parts) <= target:
+        if joint_norm(parts) <= target:
             return norm
         for p in parts:
             p.copy_(torch.nextafter(p, torch.zeros_like(p)))

@@ -11,7 +11,7 @@ from dpfl_lightning.plugins.contexts import ServerContext
 from dpfl_lightning.module.logged_metrics import merge
 from dpfl_lightning.federated.payload import Aggregate
 from dpfl_lightning.federated.plan import RoundPlan
-from dpfl_lightning.federated.releases import MetricKinds, ReleaseList
+from dpfl_lightning.federated.releases import MetricKinds, ReleaseList, sources_of
 from dpfl_lightning.run.hooks import HookTable
 
 
@@ -41,7 +41,7 @@ class RoundRow:
             added: dict[str, float] = {}
             p.on_round_end(server=server, metrics=added)
             for key in added:
-                self.kinds[key] = self.releases.kind(key, type(p).__name__)
+                self.kinds[key] = self.releases.kind(key, sources_of(p))
             metrics.update(added)
 
     def released(self, metrics: dict[str, float], kind: str) -> dict[str, float]:

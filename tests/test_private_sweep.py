@@ -493,3 +493,19 @@ def test_a_real_private_selection_sweep_and_its_report(tmp_path, capsys):
     report = write_report(str(released), epsilon="epsilon", out=str(tmp_path / "rep3"))  # asked for: the run's own
     assert "(the run's own ledger, the selection left out)" in open(report["table"]).read()
     assert any(p.endswith("test_acc_vs_epsilon.png") for p in report["plots"])
+
+
+def test_a_trial_config_that_does_not_parse_is_one_line_before_anything_is_drawn(tmp_path, monkeypatch, capsys):
+    """Run from another directory, the shipped sweep's relative config path does not exist: one
+    `dpfl: error` line naming the point and the reason (jsonargparse raised its ArgumentError through a
+    traceback), exit 2, and no folder."""
+    from dpfl_lightning.cli import command as cli
+    sweep_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "sweeps",
+                              "private_selection_fedavg.yaml")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["sweep", sweep_file, "--dry_run", "true", "--dir", str(tmp_path / "sw")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert "is not a valid dpfl fit configuration" in err and "File does not exist" in err
+    assert not (tmp_path / "sw").exists()

@@ -23,12 +23,16 @@ def configured(arguments: Sequence[str], label: str = "") -> tuple[Any, Any, Any
     from dpfl_lightning.cli.parsers import fit_parser
     from dpfl_lightning.cli.run_objects import federated_data
 
+    import argparse
+
     parser = fit_parser()
     try:
         cfg = parser.parse_args(list(arguments))
-    except SystemExit as exc:  # jsonargparse exits on a bad command line
-        raise ConfigError("sweep configuration", label or " ".join(arguments), "is not a valid dpfl fit "
-                          "configuration", "check it with dpfl fit ... --print_config") from exc
+    except (SystemExit, argparse.ArgumentError) as exc:  # jsonargparse exits (or, by version, raises)
+        why = f" ({exc})" if isinstance(exc, argparse.ArgumentError) else ""
+        raise ConfigError("sweep configuration", label or " ".join(arguments), f"is not a valid dpfl fit "
+                          f"configuration{why}", "check it with dpfl fit ... --print_config (a config path is "
+                          "relative to the directory dpfl sweep runs in)") from exc
     init = parser.instantiate_classes(cfg)
     return cfg, init, federated_data(init.data, cfg.split)
 

@@ -331,3 +331,36 @@ def test_the_shipped_correlated_and_discrete_configs_pass_the_noise_check(tmp_pa
     out = capsys.readouterr().out
     assert code in (0, 5) and "REFUTED" not in out and "the declared noise is there" in out
     assert 1.0 <= _noise_bound(out) < 1.1  # the whitened (or integer) noise reads as declared: upper bound near 1
+
+
+# --------------------------------------------------------------------------- false alarms on honest shipped configs
+def test_the_privunit_config_is_not_suspect_where_the_gaussian_fit_does_not_model_its_randomizer(tmp_path, capsys):
+    # before: exit 4 (SUSPECT) at 2 rounds, the messages' fit 20.5 [15.9, 27.4] against a pure-DP ledger of 12
+    from pathlib import Path
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "ldp_fedexp_privunit.yaml").read_text())
+    cfg["trainer"].update(rounds=2, log_dir=str(tmp_path / "runs"), enable_progress_bar=False, enable_summary=False,
+                          num_threads=1, eval_every=2)
+    path = tmp_path / "ldp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code, _ = _audit(str(path))
+    out = capsys.readouterr().out
+    assert code in (0, 5) and "SUSPECT" not in out and "REFUTED" not in out
+    assert "no verdict rests on the Gaussian fit's estimate" in out and "non-Gaussian release" in out
+
+
+def test_the_gaussian_fit_is_relied_on_for_gaussian_and_discrete_noise_only():
+    import dp_accounting
+
+    from dpfl_lightning.privacy.accountants import Release
+    from dpfl_lightning.privacy.audit import fit_assumption_fails
+    from dpfl_lightning.privacy.discrete_accounting import DiscreteNoiseDpEvent, skellam_rdp
+    from dpfl_lightning.privacy.mechanisms import Stream
+
+    gaussian = Release((dp_accounting.GaussianDpEvent(1.0),), "poisson", 0.1)
+    assert fit_assumption_fails([gaussian]) is None
+    assert fit_assumption_fails([Release((DiscreteNoiseDpEvent(skellam_rdp(10.0, 30.0, 400.0)),))]) is None
+    pure = Release((dp_accounting.LaplaceDpEvent(0.5),))
+    assert "non-Gaussian" in fit_assumption_fails([gaussian, pure])
+    stream = Stream("participations", 1.2, rounds=30, min_sep=5)
+    assert "correlated" in fit_assumption_fails([Release((), stream=stream)])

@@ -23,7 +23,10 @@ audit also adds :class:`~dpfl_lightning.plugins.contribution_check.ContributionC
 contribution to the sum, every round, against its declared bound (no canary needed). Exit status: 0
 consistent; 3 violated (the ledger's statement is refuted, less noise than declared, or a contribution
 above its bound); 4 suspect (:func:`~dpfl_lightning.privacy.audit.suspect_lower_bound`, a lower
-confidence bound on the Gaussian fit's epsilon, lies above the ledger's epsilon, no refutation); 5 this audit cannot
+confidence bound on the Gaussian fit's epsilon, lies above the ledger's epsilon, no refutation; only where
+the fit models the release: an additive Gaussian or discrete-Gaussian mechanism with noise fresh each round,
+not a pure-DP local randomizer nor correlated noise, see
+:func:`~dpfl_lightning.privacy.audit.fit_assumption_fails`); 5 this audit cannot
 detect a violation here; 1 and 2 as every ``dpfl`` command (a failure, a bad configuration). A
 record-level (DP-SGD) configuration is refused: record-level DP is not audited.
 """
@@ -43,7 +46,7 @@ from dpfl_lightning.plugins.canary import NOISE_CHECKS, THREAT_MODELS, CanaryCli
 from dpfl_lightning.plugins.contribution_check import ContributionCheck
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.accountants import epsilon
-from dpfl_lightning.privacy.audit import many_run_lower_bound, suspect_lower_bound
+from dpfl_lightning.privacy.audit import fit_assumption_fails, many_run_lower_bound, suspect_lower_bound
 from dpfl_lightning.privacy.audit_bounds import (Guesses, curve_refutable, curve_rejected, gdp_ceiling,
                                                   many_run_ceiling, profile_tradeoff, propose_settings)
 from dpfl_lightning.federated.sampling import ClientSampler
@@ -186,10 +189,11 @@ class Verdict:
     refuted: Guesses | None
     refutable: bool
     fit_low: float = 0.0  # the Gaussian fit's lower confidence bound (suspect_lower_bound)
+    fit_fails: str | None = None  # why the Gaussian fit does not model this release (fit_assumption_fails)
 
     @property
     def suspect(self) -> bool:
-        return self.fit_low > self.ledger_eps
+        return self.fit_fails is None and self.fit_low > self.ledger_eps
 
 
 def _verdicts(trainer: Any, plugin: CanaryClients, each: float) -> list[Verdict]:
@@ -199,10 +203,11 @@ def _verdicts(trainer: Any, plugin: CanaryClients, each: float) -> list[Verdict]
         g = _guarantee_for(ledger, name)
         f = profile_tradeoff([(_epsilon_of(ledger, g, d), d) for d in PROFILE_DELTAS])
         scores = plugin.scores[name].numpy()
+        fails = fit_assumption_fails([p.release for p in g.profiles])
         low = (suspect_lower_bound(scores[ins], scores[~ins], ledger.delta, each)
-               if 2 <= ins.sum() <= len(ins) - 2 else 0.0)
+               if fails is None and 2 <= ins.sum() <= len(ins) - 2 else 0.0)
         out.append(Verdict(name, _epsilon_of(ledger, g, ledger.delta), res.estimate, res.gdp,
-                           curve_rejected(f, scores, ins, each), curve_refutable(f, len(scores), each), low))
+                           curve_rejected(f, scores, ins, each), curve_refutable(f, len(scores), each), low, fails))
     return out
 
 
@@ -280,6 +285,9 @@ def _one_run(parser: ArgumentParser, cfg: Any) -> int:
                   f"f-DP test of the ledger's curve ({each:g})")
         for row in [header, *map(_row, verdicts), *_noise_rows(plugin, each), _contribution_row(check)]:
             print(_ROW.format(*row))
+        for why in dict.fromkeys(v.fit_fails for v in verdicts if v.fit_fails is not None):
+            where = ", ".join(THREAT_MODELS[v.threat] for v in verdicts if v.fit_fails == why)
+            print(f"no verdict rests on the Gaussian fit's estimate ({where}): {why}")
         print(line)
     return code
 

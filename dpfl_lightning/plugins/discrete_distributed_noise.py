@@ -405,7 +405,8 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         return [Mechanism("DiscreteDistributedNoise", "client", "distributed", da.DiscreteNoiseDpEvent(add),
                           da.DiscreteNoiseDpEvent(rep), self.clip, (UPDATE, SEGMENT), what,
                           noise_multiplier=self.noise_multiplier,
-                          stop_probability=self.stop_per_round if self._hidden else 0.0)]
+                          stop_probability=self.stop_per_round if self._hidden else 0.0,
+                          share_per_participant=True)]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [MetricRelease("noise_std", "public", "DiscreteDistributedNoise", "the accounted noise std in the sum"),

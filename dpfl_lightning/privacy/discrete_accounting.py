@@ -173,7 +173,7 @@ def revealed_coin_rdp(rdp: np.ndarray, q: float, orders=ORDERS) -> np.ndarray:
     ``(1-q) A + q B_0`` (``A``: the sum without the client's share; ``B_x``, ``B_0``: with its share, and
     its update or zero), not add/remove's ``(1-q) A + q A_x`` vs ``A``: the extra share gives ``B``
     heavier tails, where the coin shows, and add/remove's amplification (Zhu & Wang 2019) does not
-    hold (tests/test_zero_out.py finds pairs 100x above it). ``int p^alpha q^(1-alpha)`` is jointly
+    hold (tests/test_zero_out.py finds pairs 20x above it). ``int p^alpha q^(1-alpha)`` is jointly
     convex (the perspective of ``t^alpha``; van Erven & Harremoes, "Renyi Divergence and
     Kullback-Leibler Divergence", IEEE Trans. IT 2014, Thm 13), so ``e^{(alpha-1) D}`` of the mixtures
     is at most ``(1-q) e^0 + q e^{(alpha-1) D(B_x || B_0)}``, in both directions, and ``D(B_x || B_0)

@@ -2,7 +2,9 @@
 
 Threat model (audience ``client_distributed``): a server that sees only the modular sum of the
 cohort's rows; every client in the sum added its noise share; the unit is one client's whole
-update (add/remove neighbours: one client more or less in the sum).
+update, its curves in the units of add/remove (distance ``C``; replace-one doubles it). Towards model
+observers the ledger states them under zero-out neighbours, whose distance is the same
+(:data:`~dpfl_lightning.privacy.accountants.RELATIONS`; Poisson sampling: :func:`revealed_coin_rdp`).
 
 Everything is in *grid units*: a client's update ``x`` (L2 norm <= ``clip``) is rotated, divided by
 the granularity ``gamma`` and rounded; its integer vector has L2 norm at most

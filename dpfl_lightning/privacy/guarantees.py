@@ -20,7 +20,9 @@ guarantee (metric)          accounted as                                        
 models``                    without replacement, replace-one (2C); everyone: C
 ==========================  =======================================================  ============================
 
-Gaussians on the same sample compose as one Gaussian; a pure-DP local randomizer is randomized
+Distributed noise whose shares come with their client (``share_per_participant``) is accounted
+towards model observers under zero-out neighbours instead of add/remove
+(:data:`~dpfl_lightning.privacy.accountants.RELATIONS`). Gaussians on the same sample compose as one Gaussian; a pure-DP local randomizer is randomized
 response (replace-one only) and is not amplified by sampling. With a central mechanism in the run
 no guarantee towards the server is reported: the server sees the un-noised aggregate (trusted
 aggregator). The first guarantee is the one a run logs as ``epsilon``.

@@ -123,6 +123,14 @@ def test_zero_out_release_is_add_remove_without_sampling_and_joint_convexity_wit
     assert ar < zo < add
     expected = da.epsilon_from_rdp(60 * da.revealed_coin_rdp(ORDERS / (2 * 4.0), 0.2), 1e-4)
     assert zo == pytest.approx(expected, rel=1e-9)
+    # the curve private selection composes is the same bound (at dp_accounting's orders)
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+    from dpfl_lightning.privacy.accountants import rdp_curve
+
+    orders = np.array(DEFAULT_RDP_ORDERS)
+    want = np.minimum(orders / 8.0, np.log1p(0.2 * np.expm1((orders - 1) * orders / 8.0)) / (orders - 1))
+    np.testing.assert_allclose(rdp_curve(Release(ev, "poisson", 0.2, "zero_out"))[orders < 50], want[orders < 50],
+                               rtol=1e-9)
 
 
 def test_gaussian_distributed_shares_sum_to_the_same_noise_whatever_the_cohort():

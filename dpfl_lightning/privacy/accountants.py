@@ -279,6 +279,12 @@ def rdp_curve(release: Release) -> np.ndarray:
     does for a self-composed event; so ``epsilon`` from it equals the accountant's bit for bit.
     """
     release, _ = _unamplified(release)
+    if release.relation == "zero_out" and release.sampling == "poisson" and release.rate < 1:
+        # the share shows the coin: joint convexity (RELATIONS), at any order > 1
+        from dpfl_lightning.privacy.discrete_accounting import revealed_coin_rdp
+
+        unsampled = rdp_curve(replace(release, sampling="none", rate=1.0))
+        return revealed_coin_rdp(unsampled, release.rate, DEFAULT_RDP_ORDERS)
     acc = dp_rdp.RdpAccountant(neighboring_relation=RELATIONS[release.relation])
     acc.compose(release.dp_event())
     return np.array(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the public API only gives epsilon

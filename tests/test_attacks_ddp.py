@@ -107,7 +107,7 @@ def test_poisson_stop_charge_bounds_the_population_and_both_neighbours(tmp_path,
     too (the guarantee is for every neighbour of the dataset the run holds). Under SecAgg+ the
     per-secret failures grow with the cohort: a population one larger has a ~1/n larger chance (was
     declared 1.131e-5 against 1.142e-5 at 100 clients)."""
-    noise = DiscreteDistributedNoise(noise_multiplier=3.0, bits=24, dropout=dropout, min_survivors=m,
+    noise = DiscreteDistributedNoise(noise_multiplier=4.0, bits=24, dropout=dropout, min_survivors=m,
                                      neighbours=neighbours)
     _plan(tmp_path, noise, clients, 1e-3, sampling="poisson", sampling_rate=rate)
     real = max(short_given_cohort(m, n, rate, dropout, neighbours) for n in (clients - 1, clients, clients + 1))
@@ -119,7 +119,7 @@ def _charged(tmp_path, rounds, delta=1e-3, **kw):
     """tests/test_stop_probability.py's charged setting (40 clients at Poisson 0.5, 10% dropouts, 6 shares)."""
     from test_stop_probability import CLIENTS, CLIP, DROPOUT, RATE
 
-    noise = DiscreteDistributedNoise(noise_multiplier=3.0, bits=24, dropout=DROPOUT, min_survivors=6)
+    noise = DiscreteDistributedNoise(noise_multiplier=4.0, bits=24, dropout=DROPOUT, min_survivors=6)
     trainer = quiet_trainer(str(tmp_path), rounds=rounds, seed=3, sampling="poisson", sampling_rate=RATE,
                             plugins=[UpdateClipping(CLIP), noise, PrivacyLedger(delta=delta)], **kw)
     return noise, trainer, tiny_data(num_clients=CLIENTS)
@@ -182,7 +182,7 @@ class PlantedLeak(FederatedCallback):
 def _poisson_neighbours(tmp_path, mechanism, change, extra=()):
     def fit(change):
         def run(log_dir: str) -> None:
-            noise = DiscreteDistributedNoise(mechanism, noise_multiplier=3.0, bits=24, dropout=0.1, min_survivors=6)
+            noise = DiscreteDistributedNoise(mechanism, noise_multiplier=4.0, bits=24, dropout=0.1, min_survivors=6)
             FederatedTrainer(log_dir=log_dir, run_name="nb", rounds=3, batch_size=4, num_threads=1, seed=0,
                              enable_progress_bar=False, enable_summary=True, checkpoint_every=1,
                              final_checkpoint=True, sampling="poisson", sampling_rate=0.5,

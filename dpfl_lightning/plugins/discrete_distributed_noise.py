@@ -30,8 +30,11 @@ applied; the ledger still counts it) or stops the run (``"raise"``). The unit is
 update; the sensitivity is the rounding's bound (L2, and its L1 bound), in grid units; replace-one
 doubles both. Accounting: Kairouz et al.'s RDP bound (with its ``tau`` term) for ``m`` discrete
 Gaussians, or Agarwal et al.'s Skellam bound, as a :class:`~dpfl_lightning.privacy.discrete_accounting.DiscreteNoiseDpEvent`
-that the ledger composes (per participation towards the server; per round, amplified under Poisson
-sampling by Zhu & Wang's bound, towards model observers).
+that the ledger composes (per participation towards the server; per round towards model observers,
+under zero-out neighbours: a client that is not in the sum takes its share with it, so add/remove's
+neighbours differ in variance, and the share reveals the coin, so Poisson sampling amplifies by joint
+convexity only -- :data:`~dpfl_lightning.privacy.accountants.RELATIONS`,
+:func:`~dpfl_lightning.privacy.discrete_accounting.revealed_coin_rdp`).
 
 Short rounds and hidden sampling: whether a round is short depends only on the cohort and the
 dropout coins (keyed by seed, round and client), never on data. Under a fixed-size sampler
@@ -405,7 +408,8 @@ class DiscreteDistributedNoise(CalibratedNoise, FederatedCallback):
         return [Mechanism("DiscreteDistributedNoise", "client", "distributed", da.DiscreteNoiseDpEvent(add),
                           da.DiscreteNoiseDpEvent(rep), self.clip, (UPDATE, SEGMENT), what,
                           noise_multiplier=self.noise_multiplier,
-                          stop_probability=self.stop_per_round if self._hidden else 0.0)]
+                          stop_probability=self.stop_per_round if self._hidden else 0.0,
+                          share_per_participant=True)]
 
     def released_metrics(self, *, ctx) -> list[MetricRelease]:
         return [MetricRelease("noise_std", "public", "DiscreteDistributedNoise", "the accounted noise std in the sum"),

@@ -41,6 +41,12 @@ from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.federated.releases import MetricRelease
 
 
+#: each neighbouring relation in a privacy line
+RELATION_WORDS = {"add_remove": "add/remove neighbours", "replace_one": "replace-one neighbours",
+                  "zero_out": "zero-out neighbours (a client's update replaced by zero; its participation and noise "
+                              "share kept: whether it took part is not protected)"}
+
+
 class PrivacyLedger(FederatedCallback):
     """Account the declared mechanisms round by round.
 
@@ -271,7 +277,7 @@ class PrivacyLedger(FederatedCallback):
             r = g.release
             sampling = {"poisson": f"Poisson sampling q={r.rate:g}", "none": "no sampling",
                         "without_replacement": f"{r.sample_size} of {r.population} without replacement"}[r.sampling]
-            relation = {"add_remove": "add/remove", "replace_one": "replace-one"}[r.relation]
+            relation = RELATION_WORDS[r.relation]
             z = r.noise_multiplier
             noise = f"noise multiplier {z:.4g}" if z is not None else "non-Gaussian release"
             if r.stream is not None:  # correlated noise: the participation pattern and the stream's noise
@@ -287,7 +293,7 @@ class PrivacyLedger(FederatedCallback):
                 rounds = self._planner.rounds if self._planner is not None else self.rounds
                 stop = (f"; a stop at a short round (probability <= {g.stop_after(rounds):.3g} over {rounds} rounds, "
                         f"{', '.join(g.stop_sources)}) charged to delta as (1 + e^eps) x it")
-            lines.append(f"{g.description}; {sampling}, {relation} neighbours, {noise}{counted}{stop}; "
+            lines.append(f"{g.description}; {sampling}, {relation}, {noise}{counted}{stop}; "
                          f"{accountant}, delta={self.delta:g}")
         return lines
 

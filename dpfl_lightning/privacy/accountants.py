@@ -46,7 +46,23 @@ from dpfl_lightning.privacy.discrete_accounting import DiscreteNoiseDpEvent, rel
 absl_logging.set_verbosity(absl_logging.ERROR)
 
 SAMPLINGS = ("poisson", "without_replacement", "none")
-RELATIONS = {"add_remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace_one": NeighboringRelation.REPLACE_ONE}
+#: ``zero_out``: one unit's contribution replaced by zero, its participation coin, dropout and noise share
+#: kept (Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, "Practical and Private (Deep) Learning without
+#: Sampling or Shuffling", ICML 2021, Sec. 2; Ponomareva et al., "How to DP-fy ML", JAIR 2023, zero-out
+#: adjacency). It is the relation of distributed noise whose shares come and go with the participants
+#: (:attr:`~dpfl_lightning.privacy.mechanisms.Mechanism.share_per_participant`): under add/remove the
+#: sum without the client also lacks its share, so the neighbours differ in variance, not only in mean,
+#: a gap that grows with the dimension (``d alpha / (4 k^2)`` nats at order ``alpha`` for ``k`` shares)
+#: and that no amplification argument covers. Under zero-out both neighbours hold the same shares, the
+#: distance is ``C`` as under add/remove, and without sampling the release is add/remove's unsampled
+#: one. What it protects: a client's data, not whether it took part. Under Poisson sampling the share
+#: still tells the coin (the sum with the client's share has one share more, in both neighbours), so the
+#: neighbours are ``(1-q) A + q B_x`` and ``(1-q) A + q B_0`` with ``A`` lacking the share: not
+#: add/remove's subsampled pair. The bound used is joint convexity (:func:`~dpfl_lightning.privacy.
+#: discrete_accounting.revealed_coin_rdp`), accounted through :func:`~dpfl_lightning.privacy.
+#: discrete_accounting.release_epsilon` for every event.
+RELATIONS = {"add_remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace_one": NeighboringRelation.REPLACE_ONE,
+             "zero_out": NeighboringRelation.ADD_OR_REMOVE_ONE}
 PLD_DISCRETIZATION = 1e-3  # dp_accounting's default is 1e-4: ~10x slower for a ~1e-4 relative gain
 
 
@@ -263,6 +279,12 @@ def rdp_curve(release: Release) -> np.ndarray:
     does for a self-composed event; so ``epsilon`` from it equals the accountant's bit for bit.
     """
     release, _ = _unamplified(release)
+    if release.relation == "zero_out" and release.sampling == "poisson" and release.rate < 1:
+        # the share shows the coin: joint convexity (RELATIONS), at any order > 1
+        from dpfl_lightning.privacy.discrete_accounting import revealed_coin_rdp
+
+        unsampled = rdp_curve(replace(release, sampling="none", rate=1.0))
+        return revealed_coin_rdp(unsampled, release.rate, DEFAULT_RDP_ORDERS)
     acc = dp_rdp.RdpAccountant(neighboring_relation=RELATIONS[release.relation])
     acc.compose(release.dp_event())
     return np.array(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the public API only gives epsilon
@@ -271,6 +293,8 @@ def rdp_curve(release: Release) -> np.ndarray:
 def _rdp_epsilon(release: Release, steps: int, delta: float) -> float:
     if steps == 0 or release.effective_rate == 0:
         return 0.0
+    if release.relation == "zero_out":
+        return release_epsilon(release.events, release.sampling, release.effective_rate, steps, delta, "zero_out")[0]
     eps, _ = compute_epsilon(DEFAULT_RDP_ORDERS, steps * rdp_curve(release), delta)
     return float(eps)
 
@@ -413,6 +437,8 @@ def accountant_used(release: Release, accountant: str) -> tuple[str, str | None]
         return EXACT, EXACT_NOTE
     if release.exact and release.gaussian and release.effective_rate == 1 and release.relation == "add_remove":
         return EXACT, EXACT_NOTE
+    if release.relation == "zero_out" and accountant != "rdp":
+        return "rdp", f"{accountant} does not account zero-out neighbours (their RDP bound): RDP upper bound"
     reason = create_accountant(accountant).unsupported(release)
     return ("rdp", reason) if reason is not None else (accountant, None)
 
@@ -426,8 +452,10 @@ def epsilon(release: Release, steps: int, delta: float, accountant: str = "rdp",
             "must be a whole number of compositions >= 0", "count compositions (rounds, local steps) as integers")
     if release.stream is not None:
         return stream_epsilon(release, int(steps), delta, acc.name, pld_discretization)
-    if any(isinstance(e, DiscreteNoiseDpEvent) for e in release.events):  # integer noise: its own RDP curve
-        eps, note = release_epsilon(release.events, release.sampling, release.effective_rate, int(steps), delta)
+    if release.relation == "zero_out" or any(isinstance(e, DiscreteNoiseDpEvent) for e in release.events):
+        # integer noise, or shares that leave with their client: their own RDP curves
+        eps, note = release_epsilon(release.events, release.sampling, release.effective_rate, int(steps), delta,
+                                    release.relation)
         return Epsilon(eps, "rdp", note or ("" if acc.name == "rdp" else
                                             f"{acc.name} does not account integer noise: RDP upper bound"))
     if release.noise_multiplier == 0 and steps > 0 and release.effective_rate > 0:

@@ -2,7 +2,9 @@
 
 Threat model (audience ``client_distributed``): a server that sees only the modular sum of the
 cohort's rows; every client in the sum added its noise share; the unit is one client's whole
-update (add/remove neighbours: one client more or less in the sum).
+update, its curves in the units of add/remove (distance ``C``; replace-one doubles it). Towards model
+observers the ledger states them under zero-out neighbours, whose distance is the same
+(:data:`~dpfl_lightning.privacy.accountants.RELATIONS`; Poisson sampling: :func:`revealed_coin_rdp`).
 
 Everything is in *grid units*: a client's update ``x`` (L2 norm <= ``clip``) is rotated, divided by
 the granularity ``gamma`` and rounded; its integer vector has L2 norm at most
@@ -163,6 +165,30 @@ def poisson_subsampled_rdp(rdp: np.ndarray, q: float, orders=ORDERS) -> np.ndarr
     return out
 
 
+def revealed_coin_rdp(rdp: np.ndarray, q: float, orders=ORDERS) -> np.ndarray:
+    """RDP at ``orders`` of a mechanism with RDP ``rdp`` run on a Poisson(``q``) sample whose coin the
+    output may reveal, under zero-out neighbours: ``(1/(alpha-1)) ln(1 - q + q e^{(alpha-1) rdp})``,
+    never above ``rdp``.
+
+    The case: distributed noise whose client adds its share only when sampled. Both zero-out neighbours
+    keep the client's coin and share, so given the other clients' coins they are ``(1-q) A + q B_x`` and
+    ``(1-q) A + q B_0`` (``A``: the sum without the client's share; ``B_x``, ``B_0``: with its share, and
+    its update or zero), not add/remove's ``(1-q) A + q A_x`` vs ``A``: the extra share gives ``B``
+    heavier tails, where the coin shows, and add/remove's amplification (Zhu & Wang 2019) does not
+    hold (tests/test_zero_out.py finds pairs 20x above it). ``int p^alpha q^(1-alpha)`` is jointly
+    convex (the perspective of ``t^alpha``; van Erven & Harremoes, "Renyi Divergence and
+    Kullback-Leibler Divergence", IEEE Trans. IT 2014, Thm 13), so ``e^{(alpha-1) D}`` of the mixtures
+    is at most ``(1-q) e^0 + q e^{(alpha-1) D(B_x || B_0)}``, in both directions, and ``D(B_x || B_0)
+    <= rdp`` (the extra shares beyond the accounted ones are independent noise on both: post-processing);
+    the other clients' coins mix identical weights in both neighbours, so the bound holds for the mixture."""
+    a = np.asarray(orders, dtype=np.float64)
+    rdp = np.asarray(rdp, dtype=np.float64)
+    if q >= 1:
+        return rdp.copy()
+    val = np.logaddexp(math.log1p(-q), math.log(q) + (a - 1) * rdp)  # ln(1 - q + q e^t), without overflow
+    return np.minimum(rdp, val / (a - 1))
+
+
 def epsilon_from_rdp(rdp: np.ndarray, delta: float, orders=ORDERS) -> float:
     """Epsilon at ``delta`` of a composed RDP curve (``dp_accounting``'s conversion)."""
     return float(compute_epsilon(np.asarray(orders, dtype=np.float64), np.asarray(rdp), delta)[0])
@@ -298,12 +324,14 @@ def _event_rdp(event: dp_accounting.DpEvent, orders=ORDERS) -> np.ndarray:
     return np.array(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the curve, to sum with the discrete one
 
 
-def release_rdp(events, sampling: str, rate: float, orders=ORDERS) -> np.ndarray:
+def release_rdp(events, sampling: str, rate: float, orders=ORDERS, relation: str = "add_remove") -> np.ndarray:
     """The RDP at integer ``orders`` of one release of ``events`` (applied to the same sample, so
     their curves add) behind the run's sampling: Poisson at ``rate`` amplifies through Zhu & Wang's
-    Theorem 9 (:func:`poisson_subsampled_rdp`, add/remove); other samplings are not amplified
-    (an upper bound). Cached (the ledger asks for the same release every round, and at several deltas)."""
-    key = (tuple(events), sampling, float(rate), tuple(orders))
+    Theorem 9 (:func:`poisson_subsampled_rdp`, add/remove), or, under ``relation="zero_out"`` (shares
+    that come with the participant), by joint convexity (:func:`revealed_coin_rdp`); other samplings are
+    not amplified (an upper bound). Cached (the ledger asks for the same release every round, and at
+    several deltas)."""
+    key = (tuple(events), sampling, float(rate), tuple(orders), relation)
     try:
         hash(key)
     except TypeError:  # an event holding a list (ComposedDpEvent): not cached
@@ -312,18 +340,21 @@ def release_rdp(events, sampling: str, rate: float, orders=ORDERS) -> np.ndarray
 
 
 @lru_cache(maxsize=64)
-def _release_rdp(events: tuple, sampling: str, rate: float, orders: tuple) -> np.ndarray:
+def _release_rdp(events: tuple, sampling: str, rate: float, orders: tuple, relation: str) -> np.ndarray:
     total = np.sum([_event_rdp(e, orders) for e in events], axis=0)
     if sampling == "poisson" and rate < 1:
+        if relation == "zero_out":
+            return revealed_coin_rdp(total, rate, orders)
         return poisson_subsampled_rdp(total, rate, orders)
     return total
 
 
-def release_epsilon(events, sampling: str, rate: float, steps: int, delta: float) -> tuple[float, str]:
+def release_epsilon(events, sampling: str, rate: float, steps: int, delta: float,
+                    relation: str = "add_remove") -> tuple[float, str]:
     """``(epsilon, note)`` after ``steps`` releases of ``events`` (:func:`release_rdp` summed over the
     steps, converted with ``dp_accounting``'s ``compute_epsilon``)."""
     if steps == 0 or rate == 0:
         return 0.0, ""
     note = "" if sampling in ("poisson", "none") or rate >= 1 else \
         f"no amplification by {sampling} sampling for integer noise: upper bound"
-    return epsilon_from_rdp(steps * release_rdp(events, sampling, rate), delta), note
+    return epsilon_from_rdp(steps * release_rdp(events, sampling, rate, relation=relation), delta), note

@@ -20,7 +20,9 @@ guarantee (metric)          accounted as                                        
 models``                    without replacement, replace-one (2C); everyone: C
 ==========================  =======================================================  ============================
 
-Gaussians on the same sample compose as one Gaussian; a pure-DP local randomizer is randomized
+Distributed noise whose shares come with their client (``share_per_participant``) is accounted
+towards model observers under zero-out neighbours instead of add/remove
+(:data:`~dpfl_lightning.privacy.accountants.RELATIONS`). Gaussians on the same sample compose as one Gaussian; a pure-DP local randomizer is randomized
 response (replace-one only) and is not amplified by sampling. With a central mechanism in the run
 no guarantee towards the server is reported: the server sees the un-noised aggregate (trusted
 aggregator). The first guarantee is the one a run logs as ``epsilon``.
@@ -127,12 +129,14 @@ def _models_release(mechs: list[Mechanism], sampling: Sampling, relation: str | 
             (relation == "replace_one" and (sampling.kind == "full" or sampling.rate >= 1)):
         # a local randomizer: replace-one, not amplified; or replace-one asked for (papers 000 and 002)
         return Release(tuple(m.event("replace_one") for m in mechs), "none", 1.0, "replace_one")
+    # shares that come and go with their client: zero-out neighbours (accountants.RELATIONS says why)
+    add = "zero_out" if any(m.share_per_participant for m in mechs) else "add_remove"
     if sampling.kind == "poisson" and sampling.rate < 1:
-        return Release(tuple(m.event("add_remove") for m in mechs), "poisson", sampling.rate, "add_remove")
+        return Release(tuple(m.event("add_remove") for m in mechs), "poisson", sampling.rate, add)
     if sampling.kind == "uniform" and sampling.clients_per_round < sampling.num_clients:
         return Release(tuple(m.event("replace_one") for m in mechs), "without_replacement", relation="replace_one",
                        population=sampling.num_clients, sample_size=sampling.clients_per_round)
-    return Release(tuple(m.event("add_remove") for m in mechs), "none", 1.0, "add_remove")
+    return Release(tuple(m.event("add_remove") for m in mechs), "none", 1.0, add)
 
 
 def _names(mechs: list[Mechanism]) -> str:

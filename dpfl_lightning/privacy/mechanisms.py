@@ -166,6 +166,12 @@ class Mechanism:
     #: smaller or larger, from the settings alone. The guarantees towards model observers charge it to delta by
     #: the bad-event argument (:func:`~dpfl_lightning.privacy.guarantees.epsilon_with_stop`).
     stop_probability: float = 0.0
+    #: distributed noise whose every participant adds a share of fixed variance (DiscreteDistributedNoise:
+    #: shares sized for ``min_survivors``), so the noise in the sum grows with the participants: its
+    #: guarantee towards model observers is stated under zero-out neighbours, not add/remove
+    #: (:data:`~dpfl_lightning.privacy.accountants.RELATIONS`). GaussianNoise(placement="distributed")
+    #: sizes its shares by the cohort, ``sigma^2 / n`` each: ``sigma^2`` in the sum whoever took part.
+    share_per_participant: bool = False
 
     def __post_init__(self) -> None:
         require(self.granularity in GRANULARITIES, "granularity", self.granularity, "unknown", f"use {GRANULARITIES}")

@@ -171,3 +171,16 @@ def test_batchnorm_running_statistics_are_refused(log_dir):
     trainer = quiet_trainer(log_dir, rounds=1, clients_per_round=2)
     with pytest.raises(ConfigError, match="track_running_stats"):
         trainer.fit(WithRunningStats(), tiny_data())
+
+
+def test_a_round_without_clients_carries_the_distributed_noise_in_full(log_dir):
+    """Poisson rounds with an empty cohort: the sum is noised with the full sigma (the server stands in
+    for the absent shares), as in a round whose one client sends its share: an exact zero would tell
+    a neighbour without that client apart."""
+    after = Recorder(order=300)
+    z, C = 1.0, 1.0
+    trainer = quiet_trainer(log_dir, rounds=6, sampling="poisson", sampling_rate=1e-9,
+                            plugins=[UpdateClipping(C), GaussianNoise(noise_multiplier=z, placement="distributed"), after])
+    trainer.fit(TinyClassifier(in_features=200, lr=0.0), tiny_data(num_clients=4, dim=200))
+    sums = torch.stack(after.aggregates)  # 6 empty rounds x the update's entries
+    assert sums.abs().sum() > 0 and sums.std().item() == pytest.approx(z * C, rel=0.05)

@@ -145,6 +145,7 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
         self.allow_infinite_epsilon = allow_infinite_epsilon
         self._bound: Callable[[], float] | None = None
         self._cohort_size = 1
+        self._empty = False
 
     @property
     def state_key(self) -> str:
@@ -226,6 +227,7 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
         return noised_value_bound(bound, client_noise_std(self._round_sigma, self.placement, self._cohort_size))
 
     def before_round(self, *, plan, server) -> None:
+        self._empty = len(plan.cohort) == 0
         self._cohort_size = max(len(plan.cohort), 1)
         self._round_sigma = self.sigma  # an adaptive bound may change during the round
 
@@ -238,7 +240,10 @@ class GaussianNoise(CalibratedNoise, FederatedCallback):
             stream.add_normal_(client.payload[name], std)
 
     def on_aggregate(self, *, server) -> None:
-        if self.placement != "central":
+        # distributed: a round with no client gets the whole std from the server, so that the sum carries
+        # sigma whoever took part; else a Poisson neighbour whose only sampled client is removed would
+        # release an exact zero against the client's noised update (a delta of q (1-q)^(M-1) a round)
+        if self.placement == "local" or (self.placement == "distributed" and not self._empty):
             return
         stream = server.random.stream(server.round_idx, rng.SERVER_CLIENT, rng.CENTRAL_NOISE, tag=self._tag)
         for name in self.segments:

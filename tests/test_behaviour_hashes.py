@@ -49,7 +49,7 @@ def test_a_one_percent_learning_rate_change_fails_the_tolerance_check(config):
     reference = {**behaviour.run(config), "tolerance": TABLE["runs"][config]["tolerance"]}
     planted = behaviour.fresh_run_config(config, ("--model.init_args.lr", repr(0.5 * 1.01)))
     found = behaviour.differences(reference, planted, exact=False)
-    assert len(found) >= 3 and all(not f.startswith(("epsilon", "coordinate")) or config == PLANTED
+    assert found and all(not f.startswith(("epsilon", "coordinate")) or config == PLANTED
                                    for f in found), found
 
 

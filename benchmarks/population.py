@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 from dpfl_lightning.federated.plan import RoundPlan
+from dpfl_lightning.plugins.contexts import SetupContext
 from dpfl_lightning.plugins.privacy_ledger import PrivacyLedger
 from dpfl_lightning.privacy.mechanisms import Mechanism
 from dpfl_lightning.privacy.planning import PrivacyPlanner
@@ -43,9 +44,10 @@ def main() -> None:
     sampler = ClientSampler("poisson", M, rate=m / M)
     planner = PrivacyPlanner(sampler.accounted(), args.rounds, lambda rounds: sampler.participation_counts(random, rounds),
                              lambda n: 1, None)
-    ctx = SimpleNamespace(privacy=planner, sampler=sampler, random=random, secure=False,
-                          data=SimpleNamespace(num_clients=M),
-                          mechanisms=[Mechanism.gaussian("noise", 1.0, 1.0, "local", ("update",))])
+    # the trainer's own set-up context (no module: planning only), so that the benchmark follows its fields
+    ctx = SetupContext(module=None, data=SimpleNamespace(num_clients=M), sampler=sampler, plan=RoundPlan(0, ()),
+                       rounds=args.rounds, random=random, privacy=planner,
+                       mechanisms=[Mechanism.gaussian("noise", 1.0, 1.0, "local", ("update",))])
     ledger = PrivacyLedger(delta=1e-8)
     t0 = time.perf_counter()
     ledger.setup(ctx=ctx)

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from dpfl_lightning import FederatedDataModule, FederatedTrainer
 from dpfl_lightning.plugins import AdaptiveClip, DPSGD, GaussianNoise, PrivacyLedger, UpdateClipping
 from dpfl_lightning.plugins.callback import FederatedCallback
-from helpers import TinyClassifier
+from helpers import TinyClassifier, torch_lrs
 from neighbours import differences, written
 
 CLIENTS, RECORDS, MARKER = 4, 10, 1000.0
@@ -238,14 +238,8 @@ def _rows(w):
 
 def _one_cycle_lrs(total_steps: int, rounds: int) -> list[float]:
     """torch's OneCycleLR, stepped once per round: the learning rate at the start of each round."""
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, cycle_momentum=False, total_steps=total_steps)
-    lrs = []
-    for _ in range(rounds):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
+    return torch_lrs(lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, cycle_momentum=False,
+                                                                     total_steps=total_steps), rounds)
 
 
 @pytest.mark.parametrize("neighbour", ["records=11", "records=13"], ids=["one-smaller", "one-larger"])

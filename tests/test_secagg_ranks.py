@@ -77,6 +77,20 @@ def expected_sum(rows, clients, bits):
     return torch.tensor([sum(col) % (1 << bits) for col in cols], dtype=torch.int64)
 
 
+def masked_rounds(ranks, cohort, bits, d, round_idx, src, mine, rows, masked_clients=None, **round_kw):
+    """Each rank's SecAggRound after the ranks' exchange, and the masked rows of ``masked_clients``
+    (default: every client), each masked on the rank that trains it."""
+    masked_clients = set(cohort if masked_clients is None else masked_clients)
+
+    def setup(rank):
+        r = SecAggRound(cohort, bits, d, round_idx, src, local_clients=mine[rank], **round_kw)
+        r.exchange(ranks.allgather(rank), ranks.alltoall(rank))
+        return r, {c: r.mask(c, rows[c]) for c in mine[rank] if c in masked_clients}
+
+    rounds_and_rows = ranks.run(setup)
+    return [r for r, _ in rounds_and_rows], {c: row for _, part in rounds_and_rows for c, row in part.items()}
+
+
 @pytest.mark.parametrize("secure", [False, True])
 @pytest.mark.parametrize("neighbours", [None, 4])
 def test_each_rank_holds_its_clients_secrets_and_all_unmask_the_survivors_sum(secure, neighbours):
@@ -88,14 +102,7 @@ def test_each_rank_holds_its_clients_secrets_and_all_unmask_the_survivors_sum(se
     rows = rows_for(cohort, d)
     ranks = ThreadRanks(size)
 
-    def setup(rank):
-        r = SecAggRound(cohort, bits, d, 2, src, neighbours=neighbours, local_clients=mine[rank])
-        r.exchange(ranks.allgather(rank), ranks.alltoall(rank))
-        return r, {c: r.mask(c, rows[c]) for c in mine[rank] if c in survivors}
-
-    rounds_and_rows = ranks.run(setup)
-    rounds = [r for r, _ in rounds_and_rows]
-    masked = {c: row for _, part in rounds_and_rows for c, row in part.items()}
+    rounds, masked = masked_rounds(ranks, cohort, bits, d, 2, src, mine, rows, survivors, neighbours=neighbours)
     for rank, r in enumerate(rounds):
         assert r.local_clients == tuple(mine[rank])
         other = mine[(rank + 1) % size][0]
@@ -125,14 +132,7 @@ def test_a_second_unmasking_request_is_refused_on_every_rank(secure):
     survivors, dropped = [c for c in cohort if c != 5], [5]
     ranks = ThreadRanks(size)
 
-    def setup(rank):
-        r = SecAggRound(cohort, bits, d, 1, src, neighbours=4, local_clients=mine[rank])
-        r.exchange(ranks.allgather(rank), ranks.alltoall(rank))
-        return r, {c: r.mask(c, rows[c]) for c in mine[rank]}
-
-    rounds_and_rows = ranks.run(setup)
-    rounds = [r for r, _ in rounds_and_rows]
-    masked = {c: row for _, part in rounds_and_rows for c, row in part.items()}
+    rounds, masked = masked_rounds(ranks, cohort, bits, d, 1, src, mine, rows, neighbours=4)
     total = mod_sum(torch.stack([masked[c] for c in survivors]), bits)
     first = ranks.run(lambda rank: rounds[rank].gather_reveals(survivors, dropped, ranks.allgather(rank)))
     assert torch.equal(rounds[0].unmask(total, survivors, dropped, first[0]), expected_sum(rows, survivors, bits))
@@ -203,14 +203,7 @@ def test_ranks_shown_different_survivor_sets_refuse_to_unmask_at_any_threshold()
     rows = rows_for(cohort, d, seed=3)
     ranks = ThreadRanks(size)
 
-    def setup(rank):
-        r = SecAggRound(cohort, bits, d, 1, src, threshold=3, local_clients=mine[rank])
-        r.exchange(ranks.allgather(rank), ranks.alltoall(rank))
-        return r, {c: r.mask(c, rows[c]) for c in mine[rank]}
-
-    rounds_and_rows = ranks.run(setup)
-    rounds = [r for r, _ in rounds_and_rows]
-    masked = {c: row for _, part in rounds_and_rows for c, row in part.items()}
+    rounds, masked = masked_rounds(ranks, cohort, bits, d, 1, src, mine, rows, threshold=3)
     views = {0: ([c for c in cohort if c != 5], [5]), 1: (cohort, []), 2: (cohort, [])}
     outcome = {}
 

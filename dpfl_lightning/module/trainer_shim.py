@@ -16,6 +16,22 @@ from dpfl_lightning.federated.public_sizes import withheld_error
 from dpfl_lightning.module import optimizer_calls
 
 
+
+def public_size_property(name: str, doc: str) -> property:
+    """A shim attribute that follows the clients' sizes: read as set, but refused with
+    :func:`withheld_error` where the run's sizes are not public (``sizes_withheld``)."""
+    private = "_" + name
+
+    def get(self) -> int:
+        if self.sizes_withheld:
+            raise withheld_error(name)
+        return getattr(self, private)
+
+    def put(self, value: int) -> None:
+        setattr(self, private, value)
+
+    return property(get, put, doc=f"{doc} (refused where they are not public).")
+
 class ShimStrategy:
     """``self.trainer.strategy``: ``LightningOptimizer.step`` and ``manual_backward`` land in the
     client loop of ``fm`` (the :class:`~dpfl_lightning.module.FederatedLightningModule`)."""
@@ -150,27 +166,9 @@ class TrainerShim:
         self.default_root_dir: str | None = None
         self.callbacks: list[Any] = []
 
-    @property
-    def estimated_stepping_batches(self) -> int:
-        """``rounds * S``: the optimizer steps of one client over the run (refused where they are not public)."""
-        if self.sizes_withheld:
-            raise withheld_error("estimated_stepping_batches")
-        return self._estimated_stepping_batches
-
-    @estimated_stepping_batches.setter
-    def estimated_stepping_batches(self, value: int) -> None:
-        self._estimated_stepping_batches = value
-
-    @property
-    def num_training_batches(self) -> int:
-        """The client's batches this round (refused where they are not public)."""
-        if self.sizes_withheld:
-            raise withheld_error("num_training_batches")
-        return self._num_training_batches
-
-    @num_training_batches.setter
-    def num_training_batches(self, value: int) -> None:
-        self._num_training_batches = value
+    estimated_stepping_batches = public_size_property(
+        "estimated_stepping_batches", "``rounds * S``: the optimizer steps of one client over the run")
+    num_training_batches = public_size_property("num_training_batches", "The client's batches this round")
 
     def set_shape(self, estimated_stepping_batches: int, num_training_batches: int) -> None:
         self._estimated_stepping_batches = estimated_stepping_batches
